@@ -1,0 +1,111 @@
+"""The neutral vocabulary: capture-point names and neutral tensor names, spelled once.
+
+Every other module (adapters, converter, executor, reports) refers to these names; an adapter
+that maps to a name not listed here is rejected when it loads.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Capture points, in forward order (DESIGN.md, "Capture points").
+MODEL_POINTS_BEFORE = ("embed",)
+LAYER_POINTS = ("attn_in", "attn_out", "mid", "mlp_in", "mlp_out", "out")
+MODEL_POINTS_AFTER = ("final_norm", "logits")
+CAPTURE_POINTS = (
+    *MODEL_POINTS_BEFORE,
+    *(f"layers.{{i}}.{p}" for p in LAYER_POINTS),
+    *MODEL_POINTS_AFTER,
+)
+
+
+def capture_names(num_layers: int, *, final_norm: bool, logits: bool) -> list[str]:
+    """Concrete capture-point names in forward order for a model."""
+    names = list(MODEL_POINTS_BEFORE)
+    for i in range(num_layers):
+        names += [f"layers.{i}.{p}" for p in LAYER_POINTS]
+    if final_norm:
+        names.append("final_norm")
+    if logits:
+        names.append("logits")
+    return names
+
+
+def _norm(prefix: str, bias: bool = True) -> list[str]:
+    return [f"{prefix}.weight"] + ([f"{prefix}.bias"] if bias else [])
+
+
+def _linear(prefix: str) -> list[str]:
+    return [f"{prefix}.weight", f"{prefix}.bias"]
+
+
+# Norm modules by neutral name. Block norms are named by where they sit:
+#   *_norm       on the sublayer's input (Pre-Norm, and the first half of a sandwich)
+#   *_post_norm  on the sublayer's output, before the residual add (sandwich, OLMo 2)
+#   *_res_norm   on the residual stream after the add (Post-Norm, as in BERT)
+NORMS = (
+    "embed.norm",
+    "embed.per_layer_norm",
+    "layers.{i}.attn_norm",
+    "layers.{i}.attn_post_norm",
+    "layers.{i}.attn_res_norm",
+    "layers.{i}.mlp_norm",
+    "layers.{i}.mlp_post_norm",
+    "layers.{i}.mlp_res_norm",
+    "layers.{i}.attn.q_norm",
+    "layers.{i}.attn.k_norm",
+    "layers.{i}.attn.v_norm",
+    "layers.{i}.attn.q_a_norm",
+    "layers.{i}.attn.kv_a_norm",
+    "layers.{i}.moe.router_norm",
+    "layers.{i}.moe_norm",
+    "layers.{i}.moe_post_norm",
+    "layers.{i}.mlp_dense_post_norm",
+    "layers.{i}.pli_post_norm",
+    "final_norm",
+    "head.norm",
+)
+
+TENSORS = frozenset(
+    [n for norm in NORMS for n in _norm(norm)]
+    + [
+        "embed.tokens.weight",
+        "embed.positions.weight",
+        "embed.token_types.weight",
+        "embed.per_layer_tokens.weight",
+        "embed.per_layer_projection.weight",
+        *_linear("layers.{i}.attn.q"),
+        *_linear("layers.{i}.attn.k"),
+        *_linear("layers.{i}.attn.v"),
+        *_linear("layers.{i}.attn.o"),
+        "layers.{i}.attn.q_a.weight",
+        "layers.{i}.attn.q_b.weight",
+        "layers.{i}.attn.kv_a.weight",
+        "layers.{i}.attn.kv_b.weight",
+        *_linear("layers.{i}.mlp.gate"),
+        *_linear("layers.{i}.mlp.up"),
+        *_linear("layers.{i}.mlp.down"),
+        "layers.{i}.moe.router.weight",
+        "layers.{i}.moe.router.score_bias",
+        "layers.{i}.moe.router.scale",
+        "layers.{i}.moe.router.expert_scale",
+        "layers.{i}.moe.experts.{e}.gate.weight",
+        "layers.{i}.moe.experts.{e}.up.weight",
+        "layers.{i}.moe.experts.{e}.down.weight",
+        "layers.{i}.moe.shared.gate.weight",
+        "layers.{i}.moe.shared.up.weight",
+        "layers.{i}.moe.shared.down.weight",
+        "layers.{i}.pli.gate.weight",
+        "layers.{i}.pli.proj.weight",
+        "layers.{i}.layer_scalar",
+        *_linear("head.transform"),
+        "head.bias",
+        "lm_head.weight",
+    ]
+)
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def placeholders(template: str) -> set[str]:
+    return set(_PLACEHOLDER.findall(template))

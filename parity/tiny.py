@@ -1,0 +1,112 @@
+"""Tiny, deterministic test checkpoints built with transformers' own model classes.
+
+Initial weights hide conventions: Gemma's norm weights start at 0 (so ``1 + w`` is 1 and a port
+that drops the 1 is wrong by exactly the thing an init hides), biases start at 0, and 0.02-std
+projections make every layer's contribution vanish. So every constant-initialised tensor (norm
+weights and biases, scalars, router scales) is moved away from its initial value, projections get
+a 1/sqrt(fan_in) scale so each layer changes the stream, and embeddings stay at std 0.02 where
+eps matters. The adapter's ``[tiny]`` table makes softcaps bite and windows short.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from . import atomic
+from .adapter import Adapter
+from .errors import ParityError
+from .expr import evaluate
+
+VOCAB = 256  # one token per byte: a real, offline tokenizer with no files to fetch
+SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tiny_config(adapter: Adapter, layers: int | None = None) -> tuple[str, dict]:
+    """The (architecture, config kwargs) make-tiny builds for a family."""
+    tiny = adapter.spec.tiny
+    num_layers = tiny.layers if layers is None else layers
+    if num_layers < 1:
+        raise ParityError(f"--layers must be at least 1 (got {num_layers})")
+    layer_key = adapter.spec.derive["num_layers"].keys[0]
+    config = {"vocab_size": VOCAB, **SPECIAL_IDS, **tiny.config, layer_key: num_layers}
+    for key, source in tiny.expr.items():
+        config[key] = evaluate(source, {**config, "num_layers": num_layers})
+    return tiny.architecture, config
+
+
+def build_model(adapter: Adapter, layers: int | None = None, seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    architecture, kwargs = tiny_config(adapter, layers)
+    model_cls = getattr(transformers, architecture)
+    config = model_cls.config_class(**kwargs)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    _randomise(model, seed)
+    return model
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + 1)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if not t.is_floating_point() or t.numel() == 0 or id(t) in embeddings:
+                continue
+            flat = t.reshape(-1)
+            if bool((flat == flat[0]).all()):
+                # constant init (norm weight 1 or 0, bias 0, a scalar): move it, keep its sign
+                noise = torch.empty(t.shape).uniform_(-0.5, 0.5, generator=gen)
+                t.copy_(t + noise.to(t.dtype))
+            elif t.dim() >= 2:
+                t.copy_(torch.randn(t.shape, generator=gen) / math.sqrt(t.shape[-1]))
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    # GPT-2's byte-to-unicode table ordered by byte value, so that token id == byte value
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(VOCAB)}
+    assert set(vocab) == set(byte_chars)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def make_tiny(adapter: Adapter, out: Path, *, layers: int | None = None, seed: int = 0,
+              dtype: str = "float32", force: bool = False) -> Path:
+    """Write a tiny checkpoint of ``adapter``'s family to ``out`` (atomically)."""
+    if dtype not in DTYPES:
+        raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    model = build_model(adapter, layers, seed).to(DTYPES[dtype])
+    with atomic.output_dir(Path(out), force=force) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        _tokenizer().save_pretrained(tmp)
+        # drop run-specific noise so that the same seed gives the same bytes
+        cfg_path = tmp / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return Path(out)

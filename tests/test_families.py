@@ -1,0 +1,87 @@
+"""Every family's adapter against transformers itself, on the family's tiny checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from parity.adapter import resolve, text_config
+from parity.capture import run_and_capture
+from parity.checkpoint import open_checkpoint
+
+from .conftest import FAMILIES
+
+PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(40)]])
+
+
+def _norm_modules(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if "norm" in type(m).__name__.lower()]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request, tiny_dir):
+    family = request.param
+    path = tiny_dir(family)
+    ckpt = open_checkpoint(path)
+    model = getattr(transformers, ckpt.variant.architectures[0]).from_pretrained(path, attn_implementation="eager").eval()
+    return family, ckpt, model
+
+
+def test_recognised_as_its_own_family(family_model):
+    family, ckpt, _ = family_model
+    assert ckpt.adapter.family == family
+
+
+def test_tensor_map_accounts_for_every_tensor(family_model):
+    _, ckpt, model = family_model
+    from parity.checkpoint import check_tensors
+
+    check = check_tensors(ckpt.resolved, ckpt.tensors)
+    assert check.ok, check.problems()
+    assert check.matched == len(ckpt.tensors) > 0
+    # the map's parameter count is the checkpoint's
+    assert sum(t.numel for t in ckpt.resolved.tensors) == sum(
+        t.numel() for t in model.state_dict().values()) - _tied_duplicates(model)
+
+
+def _tied_duplicates(model) -> int:
+    seen, dup = set(), 0
+    for t in model.state_dict().values():
+        key = t.data_ptr()
+        if key in seen:
+            dup += t.numel()
+        seen.add(key)
+    return dup
+
+
+def test_norm_count_matches_transformers_module_tree(family_model):
+    _, ckpt, model = family_model
+    ours = sorted(n.hf.replace("{prefix}", ckpt.variant.module_prefix) for n in ckpt.resolved.norms)
+    assert ours == sorted(_norm_modules(model))
+
+
+def test_norm_count_matches_meta_device_model_of_real_shape(family_model):
+    _, ckpt, _ = family_model
+    config = transformers.AutoConfig.for_model(**ckpt.config)
+    with torch.device("meta"):
+        model = getattr(transformers, ckpt.variant.architectures[0])(config)
+    assert len(resolve(ckpt.adapter, ckpt.variant, text_config(ckpt.config, ckpt.variant)).norms) == len(_norm_modules(model))
+
+
+def test_capture_points_are_produced_with_the_right_shapes(family_model):
+    family, ckpt, model = family_model
+    r = ckpt.resolved
+    got = run_and_capture(model, r.capture, input_ids=PROMPT)
+    hidden = r.config["hidden_size"] if "hidden_size" in r.config else r.config["n_embd"]
+    for name, t in got.items():
+        assert torch.isfinite(t).all(), name
+        width = r.config["vocab_size"] if name == "logits" else hidden
+        assert tuple(t.shape) == (1, PROMPT.shape[1], width), name
+    # the residual stream: each layer adds attn_out and mlp_out (where the block is additive)
+    if r["norm.placement"] != "post" and not any("layer_scalar" in t.hf for t in r.tensors):
+        prev = got["embed"]
+        for i in range(r.num_layers):
+            torch.testing.assert_close(got[f"layers.{i}.mid"], prev + got[f"layers.{i}.attn_out"])
+            torch.testing.assert_close(got[f"layers.{i}.out"], got[f"layers.{i}.mid"] + got[f"layers.{i}.mlp_out"])
+            prev = got[f"layers.{i}.out"]
