@@ -683,8 +683,7 @@ def resolve(adapter: Adapter, variant: Variant, config: dict) -> Resolved:
         for i in r.each_layer(point, where.when, f"capture.{point}"):
             capture.append(ResolvedCapture(_fill(point, i=i), _fill(where.module, i=i, prefix=variant.module_prefix),
                                            where.io, where.arg, where.field))
-    order = {n: k for k, n in enumerate(names.capture_names(r.num_layers, final_norm=True, logits=True))}
-    capture.sort(key=lambda c: (order.get(c.name.rsplit(".", 1)[0] if c.name not in order else c.name, len(order)), c.name))
+    capture.sort(key=lambda c: names.point_order(c.name))
 
     return Resolved(adapter, variant, config, r.num_layers, settings, norms, tensors, capture, env=r.env)
 

@@ -31,6 +31,19 @@ def capture_names(num_layers: int, *, final_norm: bool, logits: bool) -> list[st
     return names
 
 
+def point_order(name: str) -> tuple:
+    """Sort key putting concrete capture points (and finer points below them) in forward order."""
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        point, _, finer = rest.partition(".")
+        kind = LAYER_POINTS.index(point) if point in LAYER_POINTS else len(LAYER_POINTS)
+        return (1, int(index), kind, finer)
+    if name in MODEL_POINTS_BEFORE:
+        return (0, MODEL_POINTS_BEFORE.index(name))
+    head, _, finer = name.partition(".")
+    return (2, MODEL_POINTS_AFTER.index(head) if head in MODEL_POINTS_AFTER else len(MODEL_POINTS_AFTER), finer)
+
+
 def _norm(prefix: str, bias: bool = True) -> list[str]:
     return [f"{prefix}.weight"] + ([f"{prefix}.bias"] if bias else [])
 
