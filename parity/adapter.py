@@ -87,7 +87,7 @@ CHOICES: dict[str, tuple] = {
     "attention.v_norm": ("none", "weighted", "weightless"),
     "attention.kind": ("mha", "mla"),
     "positions.kind": ("rope", "learned"),
-    "positions.rope_style": ("half", "interleaved"),
+    "positions.rope_style": ("half", "interleaved", "none"),
     "mlp.activation": ("gelu_exact", "gelu_tanh", "silu", "relu"),
     "mlp.moe_routing": ("none", "softmax", "sigmoid"),
     "embedding.scale_dtype": ("model", "float32"),
@@ -101,6 +101,7 @@ OPTIONAL = frozenset({
     "attention.kv_lora_rank", "attention.qk_nope_head_dim", "attention.qk_rope_head_dim", "attention.v_head_dim",
     "mlp.experts", "mlp.experts_per_token", "mlp.shared_experts", "mlp.moe_intermediate_size",
     "embedding.final_softcap", "embedding.per_layer_input_size",
+    "positions.rope_theta", "positions.rope_scaling", "positions.rotary_dim",
 })
 
 # transformers' activation names (ACT2FN keys) and the exact function each one computes.
@@ -616,6 +617,7 @@ def resolve(adapter: Adapter, variant: Variant, config: dict) -> Resolved:
     """Apply an adapter to a (text) config: every value computed, every template expanded."""
     spec = adapter.spec
     r = _Resolver(adapter, config)
+    r.env["variant_lm_head"] = variant.lm_head  # whether this on-disk form carries an LM head
     for name, value in spec.derive.items():
         setting = r.param(f"derive.{name}", value)
         r.env[name] = setting.value

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -141,8 +142,8 @@ def report(ckpt: Checkpoint) -> dict:
 def render(data: dict, ckpt: Checkpoint, console: Console) -> None:
     r = ckpt.resolved
     s = data["summary"]
-    console.print(f"[bold]{data['family']}[/bold]  {data['architecture']} (model_type {data['model_type']})"
-                  f"  adapter {data['adapter']}")
+    console.print(f"[bold]{data['family']}[/bold]  {data['architecture']} (model_type {data['model_type']})")
+    console.print(f"adapter {data['adapter']}", soft_wrap=True)
     console.print(f"{data['layers']} layers, {data['parameters']:,} parameters")
     console.print(f"norm: {s['norm']}, eps {format_value(s['eps'])}; weight {s['weight']}; {s['placement']}; "
                   f"norms per layer: {s['norms_per_layer']}")
@@ -157,7 +158,7 @@ def render(data: dict, ckpt: Checkpoint, console: Console) -> None:
         if group not in ("block", "attention"):
             console.print(f"  {group}: {count}")
 
-    table = Table(title="conventions", show_lines=False, title_justify="left")
+    table = Table(title="conventions", box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
     table.add_column("setting")
     table.add_column("value", overflow="fold")
     table.add_column("from", style="dim")
@@ -196,12 +197,15 @@ def describe_family(spec) -> dict:
             return f"{'|'.join(value.keys)}{default}"
         return format_value(value)
 
+    def label(value: Any, labels: dict) -> str:
+        return labels.get(value, show(value)) if isinstance(value, str) else show(value)
+
     row = {
         "family": spec.family,
         "architectures": ", ".join(a for v in spec.variants for a in v.architectures),
-        "norm": show(spec.norm.kind),
-        "weight": show(spec.norm.weight),
-        "placement": show(spec.norm.placement),
+        "norm": label(spec.norm.kind, NORM_KINDS),
+        "weight": label(spec.norm.weight, WEIGHTS),
+        "placement": label(spec.norm.placement, PLACEMENTS),
     }
     other = []
     for label, value, absent in (

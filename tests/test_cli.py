@@ -92,9 +92,9 @@ def test_adapters_table_lists_every_family():
     rows = json.loads(result.output)
     assert len(rows) == 12
     by_family = {r["family"]: r for r in rows}
-    assert by_family["gemma2"]["weight"] == "one_plus_weight"
-    assert by_family["gemma4"]["weight"] == "weight"
-    assert by_family["bert"]["placement"] == "post"
+    assert by_family["gemma2"]["weight"] == "1 + w"
+    assert by_family["gemma4"]["weight"] == "w"
+    assert by_family["bert"]["placement"] == "Post-Norm"
     assert run("adapters").exit_code == 0
 
 

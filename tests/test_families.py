@@ -85,3 +85,27 @@ def test_capture_points_are_produced_with_the_right_shapes(family_model):
             torch.testing.assert_close(got[f"layers.{i}.mid"], prev + got[f"layers.{i}.attn_out"])
             torch.testing.assert_close(got[f"layers.{i}.out"], got[f"layers.{i}.mid"] + got[f"layers.{i}.mlp_out"])
             prev = got[f"layers.{i}.out"]
+
+
+def test_tiny_checkpoint_makes_conventions_visible(family_model):
+    """DESIGN.md's test checkpoints: norms away from init, realistic embeddings, biting softcap, short windows."""
+    _, ckpt, model = family_model
+    r = ckpt.resolved
+    state = model.state_dict()
+    prefix = ckpt.variant.module_prefix
+    for norm in r.norms:
+        if norm.has_weight:
+            w = state[norm.hf.replace("{prefix}", prefix) + ".weight"]
+            init = 0.0 if norm.weight == "one_plus_weight" else 1.0
+            assert (w - init).abs().mean() > 0.1, norm.hf
+    embed = next(t for t in r.tensors if t.neutral == ("embed.tokens.weight",))
+    std = state[embed.hf.replace("{prefix}", prefix)].std().item()
+    assert 0.01 < std < 0.04
+    windows = [w for w in (r.settings["attention.sliding_window"].value if r.settings["attention.sliding_window"].per_layer
+                           else [r["attention.sliding_window"]]) if w]
+    assert all(w < PROMPT.shape[1] // 2 for w in windows)
+    cap = r["embedding.final_softcap"]
+    if cap:
+        got = run_and_capture(model, [c for c in r.capture if c.name == "logits"], input_ids=PROMPT)["logits"]
+        saturated = (got.abs() > 0.76 * cap).float().mean().item()  # |x| > cap before tanh
+        assert saturated > 0.05, f"final softcap {cap} barely bites ({saturated:.1%} of logits)"
