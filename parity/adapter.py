@@ -210,6 +210,7 @@ class NormModule(_Strict):
     when: Union[str, None] = None
     has_weight: bool = True
     convention: Literal["norm", "qk_norm"] = "norm"
+    eps: Union[str, None] = None  # an expression, where this norm's eps is not the family's norm.eps
 
 
 class Split(_Strict):
@@ -345,7 +346,7 @@ def _check_semantics(spec: AdapterFile, path: Path) -> None:
     for k, norm in enumerate(spec.norms):
         if norm.neutral not in names.NORMS:
             raise _fail(path, f"norms[{k}].neutral", f"{norm.neutral!r} is not a neutral norm name (parity/names.py)")
-        for source in (norm.dim, norm.when):
+        for source in (norm.dim, norm.when, norm.eps):
             _check_expr(path, f"norms[{k}]", source)
     for k, t in enumerate(spec.tensors):
         targets = [t.neutral] if isinstance(t.neutral, str) else t.neutral
@@ -463,6 +464,7 @@ class ResolvedNorm:
     has_weight: bool
     has_bias: bool
     weight: str  # "weight" or "one_plus_weight"
+    eps: float
 
     @property
     def params(self) -> int:
@@ -652,6 +654,7 @@ def resolve(adapter: Adapter, variant: Variant, config: dict) -> Resolved:
                 hf=_fill(norm.hf, i=i), neutral=_fill(norm.neutral, i=i), group=norm.group, layer=i,
                 dim=int(r.eval(key + ".dim", norm.dim, i)), has_weight=norm.has_weight, has_bias=has_bias,
                 weight=weight,
+                eps=float(r.eval(key + ".eps", norm.eps, i) if norm.eps else settings["norm.eps"].at(i or 0)),
             )
             norms.append(rn)
             if rn.has_weight:

@@ -22,6 +22,7 @@ FUNCTIONS: dict[str, Any] = {
     "bool": bool,
     "str": str,
     "sqrt": math.sqrt,
+    "log": math.log,
     "range": range,
     "sum": sum,
     "any": any,

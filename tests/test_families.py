@@ -109,3 +109,11 @@ def test_tiny_checkpoint_makes_conventions_visible(family_model):
         got = run_and_capture(model, [c for c in r.capture if c.name == "logits"], input_ids=PROMPT)["logits"]
         saturated = (got.abs() > 0.76 * cap).float().mean().item()  # |x| > cap before tanh
         assert saturated > 0.05, f"final softcap {cap} barely bites ({saturated:.1%} of logits)"
+
+
+def test_every_norm_eps_matches_the_module(family_model):
+    _, ckpt, model = family_model
+    for norm in ckpt.resolved.norms:
+        module = model.get_submodule(norm.hf.replace("{prefix}", ckpt.variant.module_prefix))
+        eps = next(getattr(module, a) for a in ("eps", "variance_epsilon", "epsilon") if hasattr(module, a))
+        assert norm.eps == pytest.approx(eps, rel=1e-12), norm.hf
