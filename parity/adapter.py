@@ -52,6 +52,7 @@ class Param(_Strict):
 
     key: Union[str, list[str], None] = None
     default: Any = None
+    null: Literal["default", "none"] = "default"  # what a key present in the config as null means
     default_expr: Union[str, None] = None
     expr: Union[str, None] = None
     map: Union[dict[str, Any], None] = None
@@ -100,6 +101,7 @@ OPTIONAL = frozenset({
     "attention.softcap", "attention.sliding_window", "attention.kv_shared_from", "attention.q_lora_rank",
     "attention.kv_lora_rank", "attention.qk_nope_head_dim", "attention.qk_rope_head_dim", "attention.v_head_dim",
     "mlp.experts", "mlp.experts_per_token", "mlp.shared_experts", "mlp.moe_intermediate_size",
+    "mlp.moe_groups", "mlp.moe_groups_kept", "mlp.moe_scale",
     "embedding.final_softcap", "embedding.per_layer_input_size",
     "positions.rope_theta", "positions.rope_scaling", "positions.rotary_dim",
 })
@@ -189,6 +191,10 @@ class MLPConvention(_Strict):
     experts_per_token: Value
     shared_experts: Value
     moe_intermediate_size: Value
+    moe_groups: Value            # experts are chosen within groups (DeepSeek-V3 n_group); none = one group
+    moe_groups_kept: Value       # groups kept per token (topk_group)
+    moe_renormalise: Value       # top-k weights rescaled to sum to 1
+    moe_scale: Value             # routed output multiplier (routed_scaling_factor); none = 1
 
 
 class EmbeddingConvention(_Strict):
@@ -527,11 +533,14 @@ class Resolved:
         return {t.hf.replace("{prefix}", prefix): t for t in self.tensors}
 
 
+_ABSENT = object()
+
+
 def _lookup(config: dict, dotted: str) -> Any:
     node: Any = config
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            return None
+            return _ABSENT
         node = node[part]
     return node
 
@@ -569,7 +578,9 @@ class _Resolver:
             return self.expression(key, value.expr, "derived")
         for k in value.keys:
             raw = _lookup(self.config, k)
-            if raw is not None:
+            if raw is None and value.null == "none":
+                return Setting(None, f"config {k} (null)")
+            if raw is not None and raw is not _ABSENT:
                 return Setting(self._map(key, value, raw), f"config {k}")
         if value.default_expr is not None:
             return self.expression(key, value.default_expr, "default")
@@ -603,7 +614,8 @@ def _fill(template: str, **values: Any) -> str:
 
 def _normalise(r: _Resolver, key: str, setting: Setting) -> Setting:
     def one(v: Any) -> Any:
-        if key in OPTIONAL and (v is False or v == 0):
+        # 0 means "none" for a window or a softcap, but layer 0 is a real source of shared KV
+        if key in OPTIONAL and (v is False or (v == 0 and key != "attention.kv_shared_from")):
             return None
         if key == "mlp.activation" and v not in CHOICES[key]:
             if v not in ACTIVATIONS:
@@ -615,11 +627,13 @@ def _normalise(r: _Resolver, key: str, setting: Setting) -> Setting:
     return Setting(value, setting.source, setting.per_layer)
 
 
-def resolve(adapter: Adapter, variant: Variant, config: dict) -> Resolved:
+def resolve(adapter: Adapter, variant: Variant, config: dict, wrapper: dict | None = None) -> Resolved:
     """Apply an adapter to a (text) config: every value computed, every template expanded."""
     spec = adapter.spec
     r = _Resolver(adapter, config)
     r.env["variant_lm_head"] = variant.lm_head  # whether this on-disk form carries an LM head
+    r.env["architecture"] = variant.architectures[0]
+    r.env["wrapper"] = wrapper  # a multimodal wrapper's top-level config (None for a text model)
     for name, value in spec.derive.items():
         setting = r.param(f"derive.{name}", value)
         r.env[name] = setting.value

@@ -149,6 +149,7 @@ def open_checkpoint(path: Path, adapter_dirs=(), *, adapters: dict[str, Adapter]
     config, cfg_path = read_config(path)
     adapters = adapters if adapters is not None else load_all(adapter_dirs)
     adapter, variant = recognise(config, adapters, str(cfg_path))
-    resolved = resolve(adapter, variant, text_config(config, variant, str(cfg_path)))
+    inner = text_config(config, variant, str(cfg_path))
+    resolved = resolve(adapter, variant, inner, wrapper=config if inner is not config else None)
     files = weight_files(path) if path.is_dir() else []
     return Checkpoint(path, cfg_path, config, adapter, variant, resolved, files, inventory(files))
