@@ -225,7 +225,12 @@ class Split(_Strict):
 
 
 class TensorEntry(_Strict):
-    """A checkpoint tensor (shape as stored) and where it goes in the neutral layout."""
+    """A checkpoint tensor (shape as stored) and where it goes in the neutral layout.
+
+    Transforms apply in this order: ``transpose`` (GPT-2's Conv1D ``[in, out]``), ``unstack``
+    (a stacked ``[E, ...]`` expert tensor into one tensor per expert, names with ``{e}``), then
+    ``split`` along ``dim`` of each (unstacked) tensor into the neutral names, in order.
+    """
 
     hf: str
     neutral: Union[str, list[str]]

@@ -39,21 +39,25 @@ def tiny_config(adapter: Adapter, layers: int | None = None) -> tuple[str, dict]
     return tiny.architecture, config
 
 
-def build_model(adapter: Adapter, layers: int | None = None, seed: int = 0) -> torch.nn.Module:
+def build_model(adapter: Adapter, layers: int | None = None, seed: int = 0, *,
+                architecture: str | None = None, overrides: dict | None = None) -> torch.nn.Module:
+    """The tiny model of a family, randomised; ``architecture``/``overrides`` build other forms of it."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    architecture, kwargs = tiny_config(adapter, layers)
+    default_arch, kwargs = tiny_config(adapter, layers)
+    architecture = architecture or default_arch
     model_cls = getattr(transformers, architecture)
-    config = model_cls.config_class(**kwargs)
+    config = model_cls.config_class(**{**kwargs, **(overrides or {})})
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    _randomise(model, seed)
+    randomise(model, seed)
     return model
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Move constant-initialised tensors off their init; give projections a 1/sqrt(fan_in) scale."""
     gen = torch.Generator().manual_seed(seed + 1)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     with torch.no_grad():

@@ -7,13 +7,12 @@ import json
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
 from parity.adapter import resolve
 from parity.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.tiny import _randomise, tiny_config
+from parity.tiny import build_model
 
 from .conftest import ADAPTERS, FIXTURES
 
@@ -21,17 +20,9 @@ PROMPT = torch.tensor([[(5 * k + 1) % 256 for k in range(40)]])
 
 
 def _build(tmp_path, **overrides):
-    adapter = ADAPTERS["deepseek_v3"]
-    architecture, kwargs = tiny_config(adapter)
-    kwargs.update(overrides)
-    cls = getattr(transformers, architecture)
-    config = cls.config_class(**kwargs)
-    config.architectures = [architecture]
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    _randomise(model, 0)
+    model = build_model(ADAPTERS["deepseek_v3"], overrides=overrides)
     model.save_pretrained(tmp_path)
-    return cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    return type(model).from_pretrained(tmp_path, attn_implementation="eager").eval()
 
 
 @pytest.mark.parametrize("overrides", [

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from parity.adapter import recognise, resolve
 from parity.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.tiny import _randomise, build_model, tiny_config
+from parity.tiny import randomise, tiny_config
 
 from .conftest import ADAPTERS, FIXTURES
 from .test_gemma_variants import mismatches, real_model
@@ -80,7 +80,7 @@ def test_multimodal_checkpoint(tmp_path, layout):
     config.architectures = ["Gemma3ForConditionalGeneration"]
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    _randomise(model, 0)
+    randomise(model, 0)
     model.save_pretrained(tmp_path)
     if layout != "as saved":  # transformers 5 names, as other tools write them
         path = tmp_path / "model.safetensors"

@@ -13,7 +13,7 @@ import transformers
 from parity.adapter import recognise, resolve, text_config
 from parity.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.tiny import _randomise, build_model, make_tiny, tiny_config
+from parity.tiny import build_model, make_tiny, randomise, tiny_config
 
 from .conftest import ADAPTERS, FIXTURES
 from .test_gemma_variants import mismatches, real_model
@@ -106,7 +106,7 @@ def test_multimodal_checkpoint(tmp_path):
     config.architectures = ["Gemma4ForConditionalGeneration"]
     torch.manual_seed(0)
     model = transformers.Gemma4ForConditionalGeneration(config).eval()
-    _randomise(model, 0)
+    randomise(model, 0)
     model.save_pretrained(tmp_path)
     ckpt = open_checkpoint(tmp_path)
     assert ckpt.variant.architectures == ["Gemma4ForConditionalGeneration"]

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from parity.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.tiny import _randomise, tiny_config
+from parity.tiny import build_model
 
 from .conftest import ADAPTERS
 
@@ -21,14 +21,7 @@ ACT = {"gelu_exact": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"
 
 
 def _save(path, arch, **extra):
-    _, kwargs = tiny_config(ADAPTERS["gpt2"])
-    cls = getattr(transformers, arch)
-    config = cls.config_class(**{**kwargs, **extra})
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    _randomise(model, 0)
-    model.save_pretrained(path)
+    build_model(ADAPTERS["gpt2"], architecture=arch, overrides=extra).save_pretrained(path)
     return path
 
 
