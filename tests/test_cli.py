@@ -125,3 +125,19 @@ def test_make_tiny_then_inspect(tmp_path):
     assert data["weights"]["accounted_for"] is True
     assert set(data["weights"]["dtypes"]) == {"BF16"}
     assert re.fullmatch(r"\d+", str(data["norms"]["count"]))
+
+
+def test_inspect_with_an_adapters_dir_recognises_a_new_family(tmp_path):
+    d = tmp_path / "mine"
+    d.mkdir()
+    text = (ROOT / "adapters" / "llama.toml").read_text().replace('family = "llama"', 'family = "myllama"')
+    text = text.replace('"LlamaForCausalLM"', '"MyLlamaForCausalLM"').replace('model_type = "llama"', 'model_type = "myllama"')
+    (d / "myllama.toml").write_text(text)
+    cfg = json.loads((FIXTURES / "configs" / "llama-3.1-8b.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["MyLlamaForCausalLM"], "myllama"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    data = json.loads(run("inspect", "--json", "--adapters", d, tmp_path / "config.json").output)
+    assert data["family"] == "myllama" and data["norms"]["count"] == 65
+    env_run = run("inspect", "--json", tmp_path / "config.json", env={"PARITY_ADAPTERS": str(d)})
+    assert json.loads(env_run.output)["family"] == "myllama"
+    assert "unsupported architecture" in _one_line_error(run("inspect", tmp_path / "config.json"))
