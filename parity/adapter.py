@@ -101,7 +101,7 @@ OPTIONAL = frozenset({
     "attention.softcap", "attention.sliding_window", "attention.kv_shared_from", "attention.q_lora_rank",
     "attention.kv_lora_rank", "attention.qk_nope_head_dim", "attention.qk_rope_head_dim", "attention.v_head_dim",
     "mlp.experts", "mlp.experts_per_token", "mlp.shared_experts", "mlp.moe_intermediate_size",
-    "mlp.moe_groups", "mlp.moe_groups_kept", "mlp.moe_scale",
+    "mlp.moe_groups", "mlp.moe_groups_kept", "mlp.moe_scale", "mlp.moe_router_input_scale",
     "embedding.final_softcap", "embedding.per_layer_input_size",
     "positions.rope_theta", "positions.rope_scaling", "positions.rotary_dim",
 })
@@ -195,6 +195,7 @@ class MLPConvention(_Strict):
     moe_groups_kept: Value       # groups kept per token (topk_group)
     moe_renormalise: Value       # top-k weights rescaled to sum to 1
     moe_scale: Value             # routed output multiplier (routed_scaling_factor); none = 1
+    moe_router_input_scale: Value  # the router's input is multiplied by this (Gemma 4: hidden ** -0.5)
 
 
 class EmbeddingConvention(_Strict):

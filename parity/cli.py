@@ -134,6 +134,95 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
     click.echo(f"wrote {out} ({family}, seed {seed}, {dtype})")
 
 
+@cli.command("convert", context_settings=CONTEXT)
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--to", "target", type=click.Choice(["neutral"]), required=True, help="Output format.")
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Directory to write.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Dtype of the written tensors (default: the checkpoint's).")
+@click.option("--rope-style", type=click.Choice(["half", "interleaved"]), default=None,
+              help="Lay q/k rows out for engines that rotate half-split or adjacent pairs (default: as stored).")
+@click.option("--force", is_flag=True, help="Replace the output if it exists.")
+@adapters_option
+def convert_cmd(model_dir, target, out, dtype, rope_style, force, adapter_dirs):
+    """Rewrite a checkpoint into the neutral layout: manifest.json + model.safetensors.
+
+    The manifest states every convention as an explicit value (norm kind, eps, placement,
+    attention scale, softcaps, RoPE per layer, windows per layer, ...); `1 + w` norm weights are
+    folded, Conv1D weights transposed, fused q/k/v split. Tensors are streamed one at a time.
+
+    \b
+    Example:
+      parity convert ./gemma-2-9b --to neutral -o ./gemma-2-9b.neutral --dtype bfloat16
+    """
+    from .neutral import convert
+
+    manifest = convert(model_dir, out, dtype=dtype, rope_style=rope_style, force=force, adapter_dirs=adapter_dirs)
+    click.echo(f"wrote {out}: {len(manifest['tensors'])} tensors in {len(manifest['files'])} file(s), "
+               f"{manifest['dtype']}, {manifest['source']['family']}")
+
+
+@cli.command("run", context_settings=CONTEXT)
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--prompt", default=None, help="Text to tokenize with the checkpoint's tokenizer.")
+@click.option("--ids", default=None, help="Comma-separated token ids, e.g. 1,2,3.")
+@click.option("--top", "top_k", default=5, show_default=True, help="How many next tokens to show.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Run in this dtype (default: the stored one).")
+def run_cmd(path, prompt, ids, top_k, dtype):
+    """Run a neutral model with the plain-torch executor and print the most likely next tokens.
+
+    \b
+    Example:
+      parity run ./gemma-2-9b.neutral --prompt "The capital of France is"
+    """
+    import torch
+
+    from .executor.model import NeutralModel
+    from .neutral import load
+
+    manifest, tensors = load(path)
+    tokenizer = _tokenizer(path)
+    token_ids = _parse_ids(ids, prompt, tokenizer, manifest["vocab_size"])
+    model = NeutralModel(manifest, tensors, getattr(torch, dtype) if dtype else None)
+    out = model(torch.tensor([token_ids]))
+    if manifest["head"] is None:
+        click.echo(f"last hidden state {tuple(out.shape)}; this model has no LM head")
+        return
+    probs = torch.softmax(out[0, -1].float(), dim=-1)
+    values, indices = probs.topk(min(top_k, probs.numel()))
+    for p, i in zip(values.tolist(), indices.tolist()):
+        text = f" {tokenizer.decode([i])!r}" if tokenizer else ""
+        click.echo(f"{i:>8}{text}  {p:.4f}")
+
+
+def _tokenizer(path: Path):
+    file = Path(path) / "tokenizer.json"
+    if not file.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))
+
+
+def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> list[int]:
+    if (ids is None) == (prompt is None):
+        raise ParityError("give exactly one of --prompt TEXT or --ids 1,2,3")
+    if ids is not None:
+        try:
+            out = [int(x) for x in ids.split(",") if x.strip()]
+        except ValueError:
+            raise ParityError(f"--ids {ids!r}: expected comma-separated integers like 1,2,3") from None
+    else:
+        if tokenizer is None:
+            raise ParityError("this checkpoint has no tokenizer.json; give --ids instead of --prompt")
+        out = tokenizer.encode(prompt).ids
+    bad = [i for i in out if not 0 <= i < vocab]
+    if not out or bad:
+        raise ParityError(f"token ids must be in [0, {vocab}); got {bad or 'none'}")
+    return out
+
+
 @cli.command("demo", context_settings=CONTEXT)
 @click.option("--family", default="gemma2", show_default=True, help="Family of the tiny checkpoint.")
 def demo_cmd(family):
