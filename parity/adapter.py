@@ -89,8 +89,10 @@ CHOICES: dict[str, tuple] = {
     "attention.kind": ("mha", "mla"),
     "positions.kind": ("rope", "learned"),
     "positions.rope_style": ("half", "interleaved", "none"),
+    "positions.rope_dtype": ("model", "float32"),
     "mlp.activation": ("gelu_exact", "gelu_tanh", "silu", "relu"),
     "mlp.moe_routing": ("none", "softmax", "sigmoid"),
+    "mlp.moe_router_dtype": ("float32", "model"),
     "embedding.scale_dtype": ("model", "float32"),
 }
 
@@ -177,6 +179,7 @@ class PositionConvention(_Strict):
     rope_style: Value
     rotary_dim: Value
     rope_scaling: Value
+    rope_dtype: Value    # "model": q/k rotated in the model dtype; "float32": upcast, rotated, cast back (OLMo 2)
     scaling_types: list[str]
 
 
@@ -196,6 +199,7 @@ class MLPConvention(_Strict):
     moe_renormalise: Value       # top-k weights rescaled to sum to 1
     moe_scale: Value             # routed output multiplier (routed_scaling_factor); none = 1
     moe_router_input_scale: Value  # the router's input is multiplied by this (Gemma 4: hidden ** -0.5)
+    moe_router_dtype: Value      # "float32": router weights kept and applied in float32 (DeepSeek-V3); "model"
 
 
 class EmbeddingConvention(_Strict):

@@ -64,10 +64,14 @@ def _rope(r: Resolved, i: int, style: str) -> dict | None:
         "head_dim": r.layer("attention.qk_rope_head_dim", i) or r.layer("attention.head_dim", i),
         "scaling": r.layer("positions.rope_scaling", i),
         "max_positions": r["positions.max_positions"],
+        "compute_dtype": r["positions.rope_dtype"],  # "model", or "float32": rotate upcast, cast back
     }
 
 
-def _layer(r: Resolved, i: int, norms: dict[str, ResolvedNorm], rope_style: str) -> dict:
+def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
+    """Layer i's conventions as the manifest states them."""
+    norms = {n.neutral: n for n in r.norms if n.layer == i}
+
     def norm(slot: str) -> dict | None:
         return _norm(r, norms.get(f"layers.{i}.{slot}"))
 
@@ -120,6 +124,7 @@ def _layer(r: Resolved, i: int, norms: dict[str, ResolvedNorm], rope_style: str)
             "activation": at("mlp.activation"),
             "router_norm": norm("moe.router_norm"),
             "router_input_scale": at("mlp.moe_router_input_scale"),
+            "router_dtype": at("mlp.moe_router_dtype"),
             "expert_norm": norm("moe_norm"),
             "expert_post_norm": norm("moe_post_norm"),
             "dense_post_norm": norm("mlp_dense_post_norm"),
@@ -170,7 +175,7 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str) -> dic
                 "norm": _norm(r, norms.get("embed.per_layer_norm")),
             },
         },
-        "layers": [_layer(r, i, norms, rope_style) for i in range(r.num_layers)],
+        "layers": [layer_manifest(r, i, rope_style) for i in range(r.num_layers)],
         "final_norm": _norm(r, norms.get("final_norm")),
         "head": None if not has_logits else {
             "tied": bool(r["embedding.tied"]),
@@ -262,6 +267,15 @@ def restyle_rope(name: str, x: torch.Tensor, layer: dict, source: str, target: s
 # Convert
 
 
+def _stored_dtype(name: str, manifest: dict, target: torch.dtype) -> torch.dtype:
+    """The model dtype, except for tensors the model keeps in float32 whatever it runs in (a float32 router)."""
+    if name.startswith("layers.") and ".moe.router." in name:
+        moe = manifest["layers"][int(name.split(".")[1])]["mlp"]["moe"]
+        if moe and moe["router_dtype"] == "float32":
+            return torch.float32
+    return target
+
+
 def _check_for_conversion(ckpt: Checkpoint) -> None:
     if not ckpt.has_weights:
         raise ParityError(f"{ckpt.path}: no weights (a config alone cannot be converted); give a checkpoint directory")
@@ -297,7 +311,8 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
 
     manifest = build_manifest(ckpt, target, style)
     tensor_map = r.tensor_map(check.prefix)
-    outputs = [PlannedTensor(n, shape, target) for t in tensor_map.values() for n, shape in _neutral_shapes(t)]
+    outputs = [PlannedTensor(n, shape, _stored_dtype(n, manifest, target))
+               for t in tensor_map.values() for n, shape in _neutral_shapes(t)]
     layer_of = lambda name: manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None  # noqa: E731
 
     handles = {f: safe_open(f, framework="pt") for f in ckpt.files}
@@ -320,12 +335,12 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
                     shard = next(writers)
                     writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT})
                     written = 0
-                writer.write(name, y.to(target))
+                writer.write(name, y.to(_stored_dtype(name, manifest, target)))
                 written += 1
             del x
         files[shard.path.name] = {"sha256": writer.close(), "bytes": shard.path.stat().st_size}
-        manifest["tensors"] = {t.name: {"shape": list(t.shape), "dtype": manifest["dtype"], "file": where[t.name]}
-                               for t in outputs}
+        manifest["tensors"] = {t.name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                                        "file": where[t.name]} for t in outputs}
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in outputs)}, "weight_map": where}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,268 @@
+"""The neutral model, in plain torch: the executable specification of every convention.
+
+It reads only a neutral manifest and its tensors (parity/neutral.py) and imports nothing from
+transformers. One function per sublayer; every convention comes from the manifest, never from a
+family name. As it runs it reports each capture point of DESIGN.md through ``on_point(name, x)``,
+so a caller can compare and discard as it goes.
+
+Shapes: B batch, S sequence, D hidden, H heads, K kv heads, Dh head_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import rope as rope_fn
+
+OnPoint = Callable[[str, torch.Tensor], None]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_exact": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+
+
+def norm(x: torch.Tensor, spec: dict, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """LayerNorm or RMSNorm over the last dim, statistics in float32 (``upcast``).
+
+    ``weight_dtype`` says where the weight multiplies: "float32" multiplies the float32
+    normalised value and casts once; "model" casts to the model dtype first (Llama's order).
+    """
+    dtype = x.dtype
+    if spec["kind"] == "layernorm":
+        y = F.layer_norm(x.float(), x.shape[-1:], None, None, spec["eps"])
+    else:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + spec["eps"])
+    if weight is None:
+        return y.to(dtype)
+    if spec["weight_dtype"] == "float32":
+        y = y * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(dtype)
+    y = weight * y.to(dtype)
+    return y + bias if bias is not None else y
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap): 10 -> 9.6, 30 -> 22.8, 60 -> 28.9 for cap 30."""
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
+def mla_spec(att: dict) -> dict:
+    """What mla.py needs of a layer's attention entry in the manifest."""
+    return {**att["mla"], "heads": att["heads"], "scale": att["scale"], "rope_style": att["rope"]["style"]}
+
+
+def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
+    return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+
+
+class NeutralModel:
+    """Runs a neutral checkpoint. ``model(ids, on_point=...)`` returns logits (or the last hidden state)."""
+
+    def __init__(self, manifest: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
+        self.m = manifest
+        self.dtype = dtype or getattr(torch, manifest["dtype"])
+        # tensors stored in float32 in a lower-precision model (a float32 router) stay float32
+        kept = {k for k, info in manifest["tensors"].items() if info["dtype"] != manifest["dtype"]}
+        self.w = {k: v if k in kept else v.to(self.dtype) for k, v in tensors.items()}
+
+    @classmethod
+    def load(cls, path, dtype: torch.dtype | None = None) -> "NeutralModel":
+        from ..neutral import load
+
+        manifest, tensors = load(path)
+        return cls(manifest, tensors, dtype)
+
+    def layer_weights(self, i: int) -> dict[str, torch.Tensor]:
+        prefix = f"layers.{i}."
+        return {k[len(prefix):]: v for k, v in self.w.items() if k.startswith(prefix)}
+
+    def _norm(self, x: torch.Tensor, spec: dict | None, w: dict, name: str) -> torch.Tensor:
+        return x if spec is None else norm(x, spec, w.get(f"{name}.weight"), w.get(f"{name}.bias"))
+
+    # ---------------------------------------------------------------- embeddings
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
+        e = self.m["embedding"]
+        x = F.embedding(ids, self.w["embed.tokens.weight"])                          # [B, S, D]
+        if e["scale"] != 1.0:
+            # in the model dtype where the family does so (Gemma: sqrt(D) rounded to bf16 first)
+            scale = torch.tensor(e["scale"], dtype=self.dtype if e["scale_dtype"] == "model" else torch.float32)
+            x = (x * scale).to(self.dtype)
+        if e["positions"] == "learned":
+            x = x + F.embedding(positions, self.w["embed.positions.weight"])
+        if e["token_types"]:
+            types = token_types if token_types is not None else torch.zeros_like(ids)
+            x = x + F.embedding(types, self.w["embed.token_types.weight"])
+        return self._norm(x, e["norm"], self.w, "embed.norm")
+
+    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """Per-layer input embeddings (Gemma 4): [B, S, L, P], one P-vector per layer."""
+        spec = self.m["embedding"]["per_layer_input"]
+        if spec is None:
+            return None
+        n, p = self.m["num_layers"], spec["size"]
+        tok = F.embedding(ids, self.w["embed.per_layer_tokens.weight"])              # [B, S, L*P]
+        tok = (tok * torch.tensor(spec["scale"], dtype=self.dtype)).reshape(*ids.shape, n, p)
+        proj = F.linear(x, self.w["embed.per_layer_projection.weight"])              # [B, S, L*P]
+        proj = proj * torch.tensor(spec["projection_scale"], dtype=self.dtype)
+        proj = self._norm(proj.reshape(*ids.shape, n, p), spec["norm"], self.w, "embed.per_layer_norm")
+        return (proj + tok) * torch.tensor(spec["combine_scale"], dtype=self.dtype)
+
+    # ---------------------------------------------------------------- attention
+
+    def mask(self, s: int, att: dict) -> torch.Tensor:
+        """Additive [S, S] mask: causal and/or sliding window (key j visible from i when i - j < window)."""
+        i = torch.arange(s)[:, None]
+        j = torch.arange(s)[None, :]
+        allowed = torch.ones(s, s, dtype=torch.bool)
+        if att["causal"]:
+            allowed &= j <= i
+        if att["sliding_window"]:
+            allowed &= (i - j) < att["sliding_window"]
+            if not att["causal"]:
+                allowed &= (j - i) < att["sliding_window"]
+        return torch.zeros(s, s).masked_fill(~allowed, float("-inf"))
+
+    def attention(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor,
+                  shared: dict) -> torch.Tensor:
+        """Multi-head attention with GQA, QK/v-norms, RoPE, softcap and windows: [B, S, D] -> [B, S, D]."""
+        b, s, _ = x.shape
+        h, kvh, dh = att["heads"], att["kv_heads"], att["head_dim"]
+        q = linear(x, w, "attn.q")                                                   # [B, S, H*Dh]
+        if att["qk_norm"] == "full_width":
+            q = self._norm(q, att["q_norm"], w, "attn.q_norm")
+        q = q.view(b, s, h, dh)
+        if att["qk_norm"] == "per_head":
+            q = self._norm(q, att["q_norm"], w, "attn.q_norm")
+        q = q.transpose(1, 2)                                                        # [B, H, S, Dh]
+        cos_sin = None
+        if att["rope"] is not None:
+            cos_sin = rope_fn.cos_sin(att["rope"], positions)
+            q = rope_fn.apply(q, *cos_sin, att["rope"])
+
+        if att["kv_shared_from"] is not None:
+            k, v = shared[att["kv_shared_from"]]                                     # another layer's K/V
+        else:
+            k = linear(x, w, "attn.k")                                               # [B, S, K*Dh]
+            v = k if att["k_eq_v"] else linear(x, w, "attn.v")                       # values = raw keys
+            if att["qk_norm"] == "full_width":
+                k = self._norm(k, att["k_norm"], w, "attn.k_norm")
+            k, v = k.view(b, s, kvh, dh), v.view(b, s, kvh, dh)
+            if att["qk_norm"] == "per_head":
+                k = self._norm(k, att["k_norm"], w, "attn.k_norm")
+            v = self._norm(v, att["v_norm"], w, "attn.v_norm")
+            k, v = k.transpose(1, 2), v.transpose(1, 2)                              # [B, K, S, Dh]
+            if cos_sin is not None:
+                k = rope_fn.apply(k, *cos_sin, att["rope"])
+        shared[self._layer_index] = (k, v)
+
+        k = k.repeat_interleave(h // kvh, dim=1)                                     # GQA: [B, H, S, Dh]
+        v = v.repeat_interleave(h // kvh, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * att["scale"]                   # [B, H, S, S]
+        scores = softcap(scores, att["softcap"])
+        scores = scores + self.mask(s, att).to(scores.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h * dh)          # [B, S, H*Dh]
+        return linear(out, w, "attn.o")
+
+    def mla(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor) -> torch.Tensor:
+        from .mla import mla_attention
+
+        cos, sin = rope_fn.cos_sin({**att["rope"], "style": "half"}, positions)  # mla.py rotates from half tables
+        return mla_attention(x, w, mla_spec(att), cos, sin, self.mask(x.shape[1], att)[None, None])
+
+    # ---------------------------------------------------------------- MLP
+
+    def mlp(self, x: torch.Tensor, w: dict, spec: dict, prefix: str = "mlp") -> torch.Tensor:
+        """Gated: down(act(gate(x)) * up(x)); plain: down(act(up(x)))."""
+        act = ACTIVATIONS[spec["activation"]]
+        hidden = act(linear(x, w, f"{prefix}.gate")) * linear(x, w, f"{prefix}.up") if spec["gated"] \
+            else act(linear(x, w, f"{prefix}.up"))
+        return linear(hidden, w, f"{prefix}.down")
+
+    def feed_forward(self, x: torch.Tensor, mid: torch.Tensor, w: dict, spec: dict) -> torch.Tensor:
+        """The MLP sublayer: dense, routed experts instead of it, or both side by side."""
+        moe = spec["moe"]
+        if moe is None:
+            return self.mlp(x, w, spec)
+        from .moe import moe as routed
+
+        flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        if moe["dense_post_norm"] is None:  # experts replace the dense MLP (DeepSeek-V3)
+            return routed(flat(x), flat(x), w, moe).view_as(x)
+        # experts beside the dense MLP, reading the residual stream through their own norm (Gemma 4)
+        dense = self._norm(self.mlp(x, w, spec), moe["dense_post_norm"], w, "mlp_dense_post_norm")
+        expert_in = self._norm(mid, moe["expert_norm"], w, "moe_norm")
+        experts = routed(flat(mid), flat(expert_in), w, moe).view_as(x)
+        return dense + self._norm(experts, moe["expert_post_norm"], w, "moe_post_norm")
+
+    # ---------------------------------------------------------------- the model
+
+    def layer(self, x: torch.Tensor, i: int, positions: torch.Tensor, shared: dict,
+              per_layer: torch.Tensor | None, emit: OnPoint) -> torch.Tensor:
+        spec, w = self.m["layers"][i], self.layer_weights(i)
+        n, att = spec["norms"], spec["attention"]
+        self._layer_index = i
+        p = f"layers.{i}."
+
+        a_in = self._norm(x, n["attn_norm"], w, "attn_norm")
+        emit(p + "attn_in", a_in)
+        a = self.mla(a_in, w, att, positions) if att["mla"] else self.attention(a_in, w, att, positions, shared)
+        a = self._norm(a, n["attn_post_norm"], w, "attn_post_norm")
+        emit(p + "attn_out", a)
+        x = self._norm(x + a, n["attn_res_norm"], w, "attn_res_norm")
+        emit(p + "mid", x)
+
+        m_in = self._norm(x, n["mlp_norm"], w, "mlp_norm")
+        emit(p + "mlp_in", m_in)
+        m = self.feed_forward(m_in, x, w, spec["mlp"])
+        m = self._norm(m, n["mlp_post_norm"], w, "mlp_post_norm")
+        emit(p + "mlp_out", m)
+        x = self._norm(x + m, n["mlp_res_norm"], w, "mlp_res_norm")
+
+        if spec["per_layer_input"] is not None:  # Gemma 4: a gated per-layer input, added and normed
+            g = ACTIVATIONS[spec["mlp"]["activation"]](linear(x, w, "pli.gate")) * per_layer[:, :, i]
+            x = x + self._norm(linear(g, w, "pli.proj"), spec["per_layer_input"]["post_norm"], w, "pli_post_norm")
+        if "layer_scalar" in w:
+            x = x * w["layer_scalar"]
+        emit(p + "out", x)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.m["head"]
+        if head["transform"] is not None:  # BERT's MLM head: dense, activation, LayerNorm
+            x = ACTIVATIONS[head["transform"]["activation"]](linear(x, self.w, "head.transform"))
+            x = self._norm(x, head["transform"]["norm"], self.w, "head.norm")
+        weight = self.w["embed.tokens.weight"] if head["tied"] else self.w["lm_head.weight"]
+        logits = F.linear(x, weight, self.w.get("head.bias"))                        # [B, S, V]
+        return softcap(logits, head["softcap"])
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, on_point: OnPoint | None = None,
+                 token_types: torch.Tensor | None = None) -> torch.Tensor:
+        emit = on_point or (lambda name, t: None)
+        ids = ids if ids.dim() == 2 else ids[None]
+        positions = torch.arange(ids.shape[1])
+        x = self.embed(ids, positions, token_types)
+        per_layer = self.per_layer_inputs(ids, x)
+        emit("embed", x)
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(self.m["num_layers"]):
+            x = self.layer(x, i, positions, shared, per_layer, emit)
+        if self.m["final_norm"] is not None:
+            x = self._norm(x, self.m["final_norm"], self.w, "final_norm")
+            emit("final_norm", x)
+        if self.m["head"] is None:
+            return x
+        logits = self.head(x)
+        emit("logits", logits)
+        return logits
