@@ -276,6 +276,35 @@ def _stored_dtype(name: str, manifest: dict, target: torch.dtype) -> torch.dtype
     return target
 
 
+class _Reader:
+    """safetensors' lazy reader, reopened now and then.
+
+    safe_open maps the file: every page a tensor was copied from stays mapped, and counts as
+    resident, until the handle closes. Reopening once more than ``budget`` bytes were read keeps
+    the mapped, resident part of the source near the largest tensor instead of the checkpoint.
+    """
+
+    def __init__(self, budget: int):
+        self.budget = max(budget, 64 * 2**20)
+        self.handles: dict[Path, Any] = {}
+        self.read = 0
+
+    def get(self, file: Path, name: str) -> torch.Tensor:
+        if self.read > self.budget:
+            self.close()
+        if file not in self.handles:
+            self.handles[file] = safe_open(file, framework="pt")
+        x = self.handles[file].get_tensor(name)
+        self.read += x.numel() * x.element_size()
+        return x
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+        self.handles.clear()
+        self.read = 0
+
+
 def _check_for_conversion(ckpt: Checkpoint) -> None:
     if not ckpt.has_weights:
         raise ParityError(f"{ckpt.path}: no weights (a config alone cannot be converted); give a checkpoint directory")
@@ -315,7 +344,7 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
                for t in tensor_map.values() for n, shape in _neutral_shapes(t)]
     layer_of = lambda name: manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None  # noqa: E731
 
-    handles = {f: safe_open(f, framework="pt") for f in ckpt.files}
+    reader = _Reader(max(t.nbytes for t in outputs))
     with atomic.output_dir(Path(out), force=force) as tmp:
         shards = plan(outputs, tmp, max_shard_bytes)
         where = {t.name: s.path.name for s in shards for t in s.tensors}
@@ -325,7 +354,7 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
         written = 0
         files: dict[str, dict] = {}
         for hf_name, t in tensor_map.items():
-            x = handles[ckpt.tensors[hf_name].file].get_tensor(hf_name)
+            x = reader.get(ckpt.tensors[hf_name].file, hf_name)
             for name, y in to_neutral(t, x):
                 layer = layer_of(name)
                 if layer is not None:
@@ -339,6 +368,7 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
                 written += 1
             del x
         files[shard.path.name] = {"sha256": writer.close(), "bytes": shard.path.stat().st_size}
+        reader.close()
         manifest["tensors"] = {t.name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                                         "file": where[t.name]} for t in outputs}
         if len(shards) > 1:

@@ -182,3 +182,24 @@ def test_a_killed_conversion_is_cleaned_up_by_the_next(tiny_dir, tmp_path):
     assert stale and not (tmp_path / "out").exists()
     assert run("convert", tiny_dir("llama"), "--to", "neutral", "-o", tmp_path / "out").exit_code == 0
     assert _leftovers(tmp_path, "out") == [tmp_path / "out"]
+
+
+def test_run_prints_the_executors_top_tokens(tiny_dir, tmp_path):
+    convert(tiny_dir("qwen3"), tmp_path / "out")
+    by_ids = run("run", tmp_path / "out", "--ids", "72,101,108,108,111", "--top", "3")
+    by_prompt = run("run", tmp_path / "out", "--prompt", "Hello", "--top", "3")
+    assert by_ids.exit_code == 0, by_ids.output
+    assert by_ids.output == by_prompt.output  # the byte tokenizer maps "Hello" to those ids
+    lines = by_ids.output.strip().splitlines()
+    assert len(lines) == 3
+    probs = [float(line.split()[-1]) for line in lines]
+    assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0001
+    # the top token is the reference model's argmax
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir("qwen3"))
+    top = model(torch.tensor([[72, 101, 108, 108, 111]])).logits[0, -1].argmax().item()
+    assert int(lines[0].split()[0]) == top
+    _refused(run("run", tmp_path / "out", "--ids", "1,x"), "--ids")
+    _refused(run("run", tmp_path / "out", "--ids", "999"), "[0, 256)")
+    _refused(run("run", tmp_path / "out"), "--prompt")
+    _refused(run("run", tmp_path), "manifest.json")
