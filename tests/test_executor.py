@@ -60,19 +60,20 @@ def test_every_capture_point_matches_transformers_in_float32(family, tiny_dir, n
     assert errors[worst] <= 1e-5, f"{family}: {worst} rel_l2 {errors[worst]:.3g}"
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bfloat16_is_as_close_to_transformers_as_bfloat16_itself_allows(family, tiny_dir, neutral_dir):
-    """In bfloat16 the executor and transformers round differently (e.g. a folded `1 + w` is rounded once,
-    to bfloat16, where transformers adds 1 in float32 at run time), so exact agreement is not expected.
-    The bound is bfloat16's own noise at each point, measured as transformers-bf16 against
-    transformers-fp32: the executor must be within twice that (measured worst: 1.3x, Gemma's folded
-    norms) and within 5% overall. A wrong convention is many times the noise (see the catalog tests)."""
+def test_low_precision_is_as_close_to_transformers_as_the_dtype_itself_allows(family, dtype, tiny_dir, neutral_dir):
+    """In bfloat16/float16 the executor and transformers round differently (e.g. a folded `1 + w` is
+    rounded once, to the low dtype, where transformers adds 1 in float32 at run time), so exact agreement
+    is not expected. The bound is the dtype's own noise at each point, measured as transformers in that
+    dtype against transformers in float32: the executor must be within twice that (measured worst in
+    bfloat16: 1.3x, Gemma's folded norms) and within 5% overall."""
     path = tiny_dir(family)
-    fp32, bf16 = reference_points(path), reference_points(path, torch.bfloat16)
-    candidate = candidate_points(neutral_dir(family, dtype="bfloat16"))
-    for name in bf16:
-        noise = rel_l2(bf16[name], fp32[name])
-        error = rel_l2(candidate[name], bf16[name])
+    fp32, low = reference_points(path), reference_points(path, getattr(torch, dtype))
+    candidate = candidate_points(neutral_dir(family, dtype=dtype))
+    for name in low:
+        noise = rel_l2(low[name], fp32[name])
+        error = rel_l2(candidate[name], low[name])
         assert error <= 2 * noise + 1e-6 and error <= 0.05, f"{family} {name}: {error:.3g} vs noise {noise:.3g}"
 
 
@@ -94,3 +95,14 @@ def test_rope_style_round_trip_still_matches(family, tiny_dir, neutral_dir):
     _, permuted = load(neutral_dir(family, rope_style=other))
     q = "layers.0.attn.q_b.weight" if "layers.0.attn.q_b.weight" in plain else "layers.0.attn.q.weight"
     assert not torch.equal(plain[q], permuted[q])
+
+
+def test_the_executor_imports_nothing_from_transformers(neutral_dir):
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from parity.executor.model import NeutralModel; "
+            f"m = NeutralModel.load({str(neutral_dir('gemma2'))!r}); m(torch.tensor([[1, 2, 3]])); "
+            "print(sorted(n for n in sys.modules if n.split('.')[0] == 'transformers'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
