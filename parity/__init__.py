@@ -1,3 +1,19 @@
 """parity: checkpoint porting and layer-by-layer numerical parity for transformer models."""
 
 __version__ = "0.1.0"
+
+
+def check(reference, candidate, **options):
+    """Compare a candidate against a reference checkpoint; returns a Report (truthy when parity holds).
+
+    Example::
+
+        report = parity.check("gemma-2-9b", "gemma-2-9b.neutral", layerwise=True, calibrate=True)
+        assert report, report.first_divergence
+
+    Options are those of ``parity check`` (``dtype``, ``layerwise``, ``isolate``, ``calibrate``,
+    ``tolerance``, ``prompt``, ``ids``, ``length``, ``inputs_file``); see ``parity.runner.check``.
+    """
+    from .runner import check as run
+
+    return run(reference, candidate, **options)

@@ -223,19 +223,106 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
     return out
 
 
+@cli.command("check", context_settings=CONTEXT)
+@click.option("--reference", required=True, type=click.Path(path_type=Path),
+              help="The Hugging Face checkpoint directory the candidate must match (run with transformers).")
+@click.option("--candidate", required=True, type=click.Path(path_type=Path),
+              help="A neutral directory (parity convert) or another Hugging Face checkpoint directory.")
+@click.option("--layerwise", is_flag=True, help="Compare every capture point, not only the final output.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+              help="The candidate's dtype; the reference runs in float32.")
+@click.option("--prompt", default=None, help="Text, tokenized with the reference's tokenizer.")
+@click.option("--ids", default=None, help="Comma-separated token ids.")
+@click.option("--inputs", "inputs_file", type=click.Path(path_type=Path), default=None,
+              help="A JSON list of prompts (strings or id lists); each point keeps its worst result.")
+@click.option("--length", type=int, default=None,
+              help="A deterministic prompt of N tokens (default: long enough to cross every sliding window).")
+@click.option("--isolate", is_flag=True, help="Feed each candidate layer the reference's input for that layer.")
+@click.option("--calibrate", is_flag=True, help="Set tolerances to a multiple of each point's own precision noise.")
+@click.option("--tolerance", multiple=True, metavar="SPEC",
+              help="'GLOB:rel_l2=1e-3[,cosine=0.999]' or a TOML file; repeatable, the last match wins.")
+@click.option("--report", "report_paths", multiple=True, type=click.Path(path_type=Path),
+              help="Write the report: .json, .md or .html (repeatable).")
+@click.option("--junit", type=click.Path(path_type=Path), default=None, help="Write JUnit XML, one case per point.")
+@click.option("--per-layer", is_flag=True, help="Show one row per layer instead of one per point.")
+@adapters_option
+def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
+              tolerance, report_paths, junit, per_layer, adapter_dirs):
+    """Compare a candidate against the reference, point by point; exit 0 pass, 1 fail, 2 no verdict.
+
+    \b
+    Examples:
+      parity check --reference ./gemma-2-9b --candidate ./gemma-2-9b.neutral --layerwise
+      parity check --reference ./llama --candidate ./llama.neutral --dtype bfloat16 --calibrate --report r.html
+      parity check --reference ./qwen3 --candidate ./port --layerwise --isolate --junit parity.xml
+    """
+    from .runner import check
+
+    report = _run_check(reference, candidate, dtype=dtype, layerwise=layerwise, isolate=isolate, calibrate=calibrate,
+                        tolerance=list(tolerance), prompt=prompt, ids=_parse_id_list(ids), length=length,
+                        inputs_file=inputs_file, adapter_dirs=adapter_dirs, per_layer=per_layer,
+                        report_paths=report_paths, junit=junit, run=check)
+    sys.exit(report.exit_code)
+
+
+def _console() -> Console:
+    """The terminal's width, or 120 columns in a CI log (rich would assume 80 and squeeze the table)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=120)
+
+
+def _run_check(reference, candidate, *, per_layer, report_paths, junit, run, **kwargs):
+    from . import render
+
+    console = _console()
+    with Console(stderr=True).status("checking") as status:
+        report = run(reference, candidate, progress=lambda message: status.update(message), **kwargs)
+    render.console(report, console, per_layer=per_layer)
+    for path, fmt in [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]:
+        render.write(report, path, fmt)
+        click.echo(f"wrote {path}", err=True)
+    return report
+
+
+def _parse_id_list(ids: str | None) -> list[int] | None:
+    if ids is None:
+        return None
+    try:
+        return [int(x) for x in ids.split(",") if x.strip()]
+    except ValueError:
+        raise ParityError(f"--ids {ids!r}: expected comma-separated integers like 1,2,3") from None
+
+
 @cli.command("demo", context_settings=CONTEXT)
-@click.option("--family", default="gemma2", show_default=True, help="Family of the tiny checkpoint.")
-def demo_cmd(family):
-    """Build a tiny checkpoint in a temporary directory and run the main job on it."""
+@click.option("--report", "report_path", type=click.Path(path_type=Path), default=Path("demo-report.html"),
+              show_default=True, help="Where to write the HTML report of the Gemma 2 check.")
+def demo_cmd(report_path):
+    """Make tiny checkpoints of a few families, convert them, check them layer by layer.
+
+    Gemma 2 (sandwich norms, `1 + w`, softcaps, sliding windows), Llama and Qwen 3 are built with
+    transformers' own classes, converted to the neutral layout, and checked against transformers in
+    float32 with calibrated tolerances; the Gemma 2 report is written as HTML.
+    """
+    from . import render
+    from .runner import check
+    from .neutral import convert
     from .tiny import make_tiny
 
     adapters = load_all()
-    if family not in adapters:
-        raise ParityError(f"unknown family {family!r}; choose one of {', '.join(adapters)}")
+    console = _console()
+    verdicts = {}
     with tempfile.TemporaryDirectory(prefix="parity-demo-") as tmp:
-        path = make_tiny(adapters[family], Path(tmp) / f"tiny-{family}")
-        click.echo(f"built a tiny {family} checkpoint at {path}\n")
-        _inspect(path, (), False)
+        for family in ("gemma2", "llama", "qwen3"):
+            src = make_tiny(adapters[family], Path(tmp) / family)
+            convert(src, Path(tmp) / f"{family}.neutral")
+            console.rule(f"{family}: tiny checkpoint -> neutral layout -> parity check --layerwise --calibrate")
+            report = check(src, Path(tmp) / f"{family}.neutral", layerwise=True, calibrate=True)
+            render.console(report, console, per_layer=family != "gemma2")
+            verdicts[family] = report.verdict
+            if family == "gemma2":
+                render.write(report, report_path)
+    console.print(f"verdicts: {', '.join(f'{f} {v}' for f, v in verdicts.items())}; report written to {report_path}")
+    sys.exit(0 if all(v == "pass" for v in verdicts.values()) else 1)
 
 
 def main() -> None:

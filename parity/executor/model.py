@@ -247,9 +247,12 @@ class NeutralModel:
         return softcap(logits, head["softcap"])
 
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor, on_point: OnPoint | None = None,
-                 token_types: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, on_point: OnPoint | None = None, token_types: torch.Tensor | None = None,
+                 feed: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Run the model. ``feed(i, x)`` may replace layer i's input (i = num_layers: the head's), which is
+        how a parity check isolates each layer from the error of the layers before it."""
         emit = on_point or (lambda name, t: None)
+        feed = feed or (lambda i, x: x)
         ids = ids if ids.dim() == 2 else ids[None]
         positions = torch.arange(ids.shape[1])
         x = self.embed(ids, positions, token_types)
@@ -257,7 +260,8 @@ class NeutralModel:
         emit("embed", x)
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in range(self.m["num_layers"]):
-            x = self.layer(x, i, positions, shared, per_layer, emit)
+            x = self.layer(feed(i, x), i, positions, shared, per_layer, emit)
+        x = feed(self.m["num_layers"], x)
         if self.m["final_norm"] is not None:
             x = self._norm(x, self.m["final_norm"], self.w, "final_norm")
             emit("final_norm", x)

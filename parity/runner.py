@@ -1,0 +1,408 @@
+"""``parity check``: run the reference and a candidate side by side and compare them point by point.
+
+The reference is a Hugging Face checkpoint run with transformers (eager attention), its capture
+points read by hooks that the adapter's capture map places. The candidate is a neutral directory
+(run with parity's executor) or another Hugging Face checkpoint. The reference runs in a
+background thread and hands each point over as it is produced; the candidate, in this thread,
+compares each of its points as it comes and drops both, so memory holds about one layer of
+activations beyond the models.
+
+``--isolate`` feeds each candidate layer the reference's input for that layer, separating the
+error a layer adds from the error it inherits. ``--calibrate`` runs the reference at the
+candidate's dtype (and at float64 for float32 checks) to measure each point's own precision
+noise, and sets tolerances to a multiple of it.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import names
+from .checkpoint import Checkpoint, open_checkpoint
+from .compare import Tolerances, judge, logit_metrics, metrics
+from .errors import ParityError
+from .report import PointResult, Report
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Emit = Callable[[str, torch.Tensor], None]
+Feed = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index, its input) -> the input to use
+
+
+# --------------------------------------------------------------------------------------------
+# Models as streams of capture points
+
+
+class _Done:
+    pass
+
+
+class Stream:
+    """A model run in a background thread; ``get(name)`` waits for that capture point."""
+
+    def __init__(self, run: Callable[[Emit], None], label: str):
+        self.label = label
+        self.items: queue.Queue = queue.Queue(maxsize=4)
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.finished = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, args=(run,), daemon=True)
+        self.thread.start()
+
+    def _main(self, run: Callable[[Emit], None]) -> None:
+        try:
+            with torch.no_grad():
+                run(lambda name, t: self.items.put((name, t.detach())))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer's thread
+            self.error = exc
+        finally:
+            self.items.put(_Done)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        while name not in self.buffer and not self.finished:
+            item = self.items.get()
+            if item is _Done:
+                self.finished = True
+                if self.error is not None:
+                    raise self.error
+                break
+            self.buffer[item[0]] = item[1]
+        return self.buffer.pop(name, None)
+
+    def drain(self) -> None:
+        while not self.finished:
+            self.get("\0")
+        self.buffer.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Reference and candidates
+
+
+def _load_hf(ckpt: Checkpoint, dtype: torch.dtype):
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    cls = getattr(transformers, ckpt.variant.architectures[0])
+    # grouped-matmul expert kernels have no float64 version; the plain loop computes the same thing
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    return cls.from_pretrained(ckpt.path, attn_implementation="eager", dtype=dtype, **extra).eval()
+
+
+def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
+    """Pre-hooks that replace each layer's input (and the head's) by ``feed(i, input)``."""
+    from .capture import _input_value
+
+    r = ckpt.resolved
+    by_name = {c.name: c for c in r.capture}
+    targets = [(i, by_name[f"layers.{i}.out"].module) for i in range(r.num_layers)]
+    after = next((by_name[n] for n in ("final_norm", "logits") if n in by_name), None)
+    if after is not None:
+        targets.append((r.num_layers, after.module))
+    handles = []
+    for i, path in targets:
+        module = model.get_submodule(path)
+
+        def pre(mod, args, kwargs, i=i):
+            x = _input_value(mod, 0, args, kwargs)
+            new = feed(i, x)
+            if args:
+                return (new, *args[1:]), kwargs
+            key = next(iter(kwargs))
+            return args, {**kwargs, key: new}
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+class Models:
+    """Loaded models, reused across the prompts of one check."""
+
+    def __init__(self):
+        self.loaded: dict = {}
+
+    def hf(self, ckpt: Checkpoint, dtype: torch.dtype):
+        key = ("hf", str(ckpt.path), dtype)
+        if key not in self.loaded:
+            self.loaded[key] = _load_hf(ckpt, dtype)
+        return self.loaded[key]
+
+    def neutral(self, path: Path, dtype: torch.dtype):
+        from .executor.model import NeutralModel
+
+        key = ("neutral", str(path), dtype)
+        if key not in self.loaded:
+            self.loaded[key] = NeutralModel.load(path, dtype)
+        return self.loaded[key]
+
+
+def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None):
+    """A function that runs a transformers checkpoint and emits its capture points."""
+    model = models.hf(ckpt, dtype)
+
+    def run(emit: Emit) -> None:
+        from .capture import hooks
+
+        # capture hooks first: a layer's input is reported as computed, then replaced when isolating
+        with hooks(model, ckpt.resolved.capture, emit), torch.no_grad():
+            handles = _isolation_hooks(model, ckpt, feed) if feed is not None else []
+            try:
+                model(input_ids=ids)
+            finally:
+                for h in handles:
+                    h.remove()
+
+    return run
+
+
+def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None):
+    model = models.neutral(path, dtype)
+
+    def run(emit: Emit) -> None:
+        model(ids, on_point=emit, feed=feed)
+
+    return run
+
+
+def candidate_kind(path: Path) -> str:
+    path = Path(path)
+    if (path / "manifest.json").exists():
+        return "neutral"
+    if (path / "config.json").exists():
+        return "transformers"
+    if not path.exists():
+        raise ParityError(f"--candidate {path}: no such file or directory")
+    raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json) or a Hugging Face checkpoint "
+                      f"(config.json)")
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass
+class Inputs:
+    ids: torch.Tensor          # [1, S]
+    source: str
+
+
+def _thresholds(ckpt: Checkpoint) -> list[int]:
+    """Lengths past which position-dependent conventions start: sliding windows, RoPE scaling."""
+    r = ckpt.resolved
+    out = [w for i in range(r.num_layers) if (w := r.layer("attention.sliding_window", i))]
+    if r["positions.kind"] == "rope":
+        out += [t for i in range(r.num_layers)
+                if (t := (r.layer("positions.rope_scaling", i) or {}).get("original_max_position_embeddings"))]
+    return out
+
+
+def default_length(ckpt: Checkpoint) -> int:
+    """Long enough to cross every sliding window and RoPE scaling threshold (by 16), at least 64."""
+    r = ckpt.resolved
+    length = max([64] + [t + 16 for t in _thresholds(ckpt)])
+    limit = r["positions.max_positions"]
+    return min(length, limit) if limit else length
+
+
+def make_inputs(ckpt: Checkpoint, *, prompt: str | None = None, ids: list[int] | None = None,
+                length: int | None = None) -> Inputs:
+    vocab = next(t.shape[0] for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))
+    given = [x is not None for x in (prompt, ids, length)]
+    if sum(given) > 1:
+        raise ParityError("give at most one of --prompt, --ids, --inputs, --length")
+    if prompt is not None:
+        token_ids = _tokenize(ckpt, prompt)
+        source = f"prompt {prompt!r}"
+    elif ids is not None:
+        token_ids, source = list(ids), "ids"
+    else:
+        n = length or default_length(ckpt)
+        if n < 1:
+            raise ParityError(f"--length must be at least 1 (got {n})")
+        # a deterministic spread of ids, away from the few special tokens at the start of most vocabularies
+        token_ids = [3 + (7919 * k + 17) % max(vocab - 3, 1) for k in range(n)]
+        source = f"deterministic prompt of {n} tokens"
+    bad = [i for i in token_ids if not 0 <= i < vocab]
+    if not token_ids or bad:
+        raise ParityError(f"token ids must be in [0, {vocab}); got {bad[:5] or 'none'}")
+    return Inputs(torch.tensor([token_ids]), source)
+
+
+def _tokenize(ckpt: Checkpoint, prompt: str) -> list[int]:
+    file = ckpt.path / "tokenizer.json"
+    if not file.exists():
+        raise ParityError(f"{ckpt.path}: no tokenizer.json to tokenize --prompt; give --ids or --length")
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file)).encode(prompt).ids
+
+
+def read_inputs_file(path: Path) -> list[dict]:
+    """A JSON list of prompts: strings, or lists of token ids."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ParityError(f"--inputs {path}: cannot read a JSON list of prompts ({exc})") from None
+    if not isinstance(data, list) or not data:
+        raise ParityError(f"--inputs {path}: expected a non-empty JSON list of strings or id lists")
+    out = []
+    for k, item in enumerate(data):
+        if isinstance(item, str):
+            out.append({"prompt": item})
+        elif isinstance(item, list) and all(isinstance(i, int) for i in item):
+            out.append({"ids": item})
+        else:
+            raise ParityError(f"--inputs {path}: item {k} is neither a string nor a list of token ids")
+    return out
+
+
+def exercised(ckpt: Checkpoint, n: int) -> tuple[dict, list[str]]:
+    """Which position-dependent conventions a prompt of n tokens reaches, and warnings for the rest."""
+    r = ckpt.resolved
+    seen: dict[str, bool] = {}
+    warnings: list[str] = []
+    windows = sorted({w for i in range(r.num_layers) if (w := r.layer("attention.sliding_window", i))})
+    for w in windows:
+        seen[f"sliding window {w}"] = n > w
+        if n <= w:
+            warnings.append(f"the prompt ({n} tokens) is not longer than the sliding window ({w}): "
+                            f"window handling is not exercised; use --length {w + 16}")
+    for i in range(r.num_layers) if r["positions.kind"] == "rope" else []:
+        scaling = r.layer("positions.rope_scaling", i) or {}
+        threshold = scaling.get("original_max_position_embeddings")
+        key = f"rope {scaling.get('rope_type')} scaling threshold {threshold}"
+        if threshold and key not in seen:
+            seen[key] = n > threshold
+            if n <= threshold:
+                warnings.append(f"the prompt ({n} tokens) does not pass the RoPE scaling threshold ({threshold}): "
+                                f"long-context scaling is not exercised")
+    return seen, warnings
+
+
+# --------------------------------------------------------------------------------------------
+# The check
+
+
+def _forward_names(ckpt: Checkpoint, layerwise: bool) -> list[str]:
+    points = [c.name for c in ckpt.resolved.capture]
+    if layerwise:
+        return points
+    final = "logits" if "logits" in points else ("final_norm" if "final_norm" in points else points[-1])
+    return [final]
+
+
+def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise: bool = False,
+          isolate: bool = False, calibrate: bool = False, tolerance: list[str] = (), prompt: str | None = None,
+          ids: list[int] | None = None, length: int | None = None, inputs_file: Path | None = None,
+          adapter_dirs=(), progress: Callable[[str], None] | None = None) -> Report:
+    """Compare ``candidate`` against ``reference``; returns the report (truthy when parity holds)."""
+    if dtype not in DTYPES:
+        raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    ckpt = open_checkpoint(Path(reference), adapter_dirs)
+    if not ckpt.has_weights:
+        raise ParityError(f"--reference {reference}: no weights; give a Hugging Face checkpoint directory")
+    kind = candidate_kind(Path(candidate))
+    tolerances = Tolerances(dtype, list(tolerance))
+    prompts = read_inputs_file(inputs_file) if inputs_file else [{"prompt": prompt, "ids": ids, "length": length}]
+    report = Report(family=ckpt.resolved.family, reference={"kind": "transformers", "path": str(reference)},
+                    candidate={"kind": kind, "path": str(candidate)}, dtype=dtype,
+                    mode="isolated" if isolate else "free", layerwise=layerwise, calibrated=calibrate)
+    runs = []
+    models = Models()
+    for item in prompts:
+        inputs = make_inputs(ckpt, prompt=item.get("prompt"), ids=item.get("ids"), length=item.get("length"))
+        seen, warnings = exercised(ckpt, inputs.ids.shape[1])
+        runs.append({"source": inputs.source, "ids": inputs.ids[0].tolist(), "exercised": seen})
+        report.warnings += [w for w in warnings if w not in report.warnings]
+        results, logits = _check_once(models, ckpt, Path(candidate), kind, inputs.ids, dtype, layerwise, isolate,
+                                      calibrate, tolerances, progress)
+        _merge(report, results, logits)
+    report.inputs = {"runs": runs}
+    return report
+
+
+def _merge(report: Report, results: list[PointResult], logits: dict | None) -> None:
+    """Several prompts: keep each point's worst result."""
+    if not report.points:
+        report.points, report.logits = results, logits
+        return
+    worst = {p.name: p for p in report.points}
+    for p in results:
+        if p.name not in worst or (not p.passed and worst[p.name].passed) or p.rel_l2 > worst[p.name].rel_l2:
+            worst[p.name] = p
+    report.points = [worst[p.name] for p in report.points]
+    if logits and report.logits:
+        report.logits = {k: (max if k in ("kl_mean", "kl_max", "max_logit_diff") else min)(report.logits[k], logits[k])
+                         for k in logits}
+
+
+def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor, dtype: str, layerwise: bool,
+                isolate: bool, calibrate: bool, tolerances: Tolerances,
+                progress: Callable[[str], None] | None) -> tuple[list[PointResult], dict | None]:
+    say = progress or (lambda message: None)
+    low = DTYPES[dtype]
+    wanted = _forward_names(ckpt, layerwise)
+    # the reference at float32 is the truth; calibration adds the reference at the candidate's dtype
+    # (or float64 for a float32 check): their distance is each point's own precision noise
+    say("loading the reference")
+    streams = {"reference": Stream(hf_runner(models, ckpt, torch.float32, ids), "reference")}
+    if calibrate:
+        other = torch.float64 if low == torch.float32 else low
+        say(f"loading the reference at {str(other).removeprefix('torch.')} for calibration")
+        streams["noise"] = Stream(hf_runner(models, ckpt, other, ids), "reference (calibration)")
+
+    last_reference_out: dict[int, torch.Tensor] = {}
+    results: list[PointResult] = []
+    logits: dict | None = None
+    wanted_set = set(wanted)
+    # the reference's input to layer i is its `embed` (i = 0) or `layers.{i-1}.out`
+    input_of = {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(ckpt.resolved.num_layers)}}
+
+    def feed(i: int, x: torch.Tensor) -> torch.Tensor:
+        ref = last_reference_out.get(i)
+        return x if ref is None else ref.to(x.dtype)
+
+    def on_point(name: str, got: torch.Tensor) -> None:
+        nonlocal logits
+        if name not in wanted_set and name not in input_of:
+            return
+        ref = streams["reference"].get(name)
+        noisy = streams["noise"].get(name) if "noise" in streams else None
+        if ref is None:
+            return
+        if isolate and name in input_of:
+            last_reference_out[input_of[name]] = ref
+        if name not in wanted_set:
+            return
+        noise = metrics(noisy, ref)["rel_l2"] if noisy is not None else None
+        results.append(judge(name, metrics(got, ref), tolerances.for_point(name, noise), noise))
+        if name == "logits":
+            logits = logit_metrics(got, ref)
+        if name.endswith(".out"):
+            say(f"compared {name}")
+
+    say(f"running the candidate ({kind})")
+    runner = neutral_runner if kind == "neutral" else hf_runner
+    target = candidate if kind == "neutral" else open_checkpoint(candidate)
+    run = runner(models, target, low, ids, feed if isolate else None)
+    try:
+        run(on_point)
+    finally:
+        for s in streams.values():
+            s.drain()
+    produced = {p.name for p in results}
+    for name in wanted:
+        if name not in produced:
+            results.append(PointResult(name=name, max_abs=float("nan"), mean_abs=float("nan"), rel_l2=float("nan"),
+                                       cosine=float("nan"), tolerance=tolerances.for_point(name), passed=False,
+                                       compared=False))
+    results.sort(key=lambda p: names.point_order(p.name))
+    return results, logits
+
