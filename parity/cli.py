@@ -244,10 +244,12 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
 @click.option("--report", "report_paths", multiple=True, type=click.Path(path_type=Path),
               help="Write the report: .json, .md or .html (repeatable).")
 @click.option("--junit", type=click.Path(path_type=Path), default=None, help="Write JUnit XML, one case per point.")
+@click.option("--generate", type=int, default=0, metavar="N",
+              help="Also greedy-decode N tokens with both and report the first position where they differ.")
 @click.option("--per-layer", is_flag=True, help="Show one row per layer instead of one per point.")
 @adapters_option
 def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
-              tolerance, report_paths, junit, per_layer, adapter_dirs):
+              tolerance, report_paths, junit, generate, per_layer, adapter_dirs):
     """Compare a candidate against the reference, point by point; exit 0 pass, 1 fail, 2 no verdict.
 
     \b
@@ -260,7 +262,7 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
 
     report = _run_check(reference, candidate, dtype=dtype, layerwise=layerwise, isolate=isolate, calibrate=calibrate,
                         tolerance=list(tolerance), prompt=prompt, ids=_parse_id_list(ids), length=length,
-                        inputs_file=inputs_file, adapter_dirs=adapter_dirs, per_layer=per_layer,
+                        inputs_file=inputs_file, generate=generate, adapter_dirs=adapter_dirs, per_layer=per_layer,
                         report_paths=report_paths, junit=junit, run=check)
     sys.exit(report.exit_code)
 

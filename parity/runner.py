@@ -301,7 +301,7 @@ def _forward_names(ckpt: Checkpoint, layerwise: bool) -> list[str]:
 def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise: bool = False,
           isolate: bool = False, calibrate: bool = False, tolerance: list[str] = (), prompt: str | None = None,
           ids: list[int] | None = None, length: int | None = None, inputs_file: Path | None = None,
-          adapter_dirs=(), progress: Callable[[str], None] | None = None) -> Report:
+          generate: int = 0, adapter_dirs=(), progress: Callable[[str], None] | None = None) -> Report:
     """Compare ``candidate`` against ``reference``; returns the report (truthy when parity holds)."""
     if dtype not in DTYPES:
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -325,7 +325,40 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
                                       calibrate, tolerances, progress)
         _merge(report, results, logits)
     report.inputs = {"runs": runs}
+    if generate:
+        if report.logits is None:
+            raise ParityError("--generate needs a model with an LM head")
+        first = make_inputs(ckpt, prompt=prompts[0].get("prompt"), ids=prompts[0].get("ids"),
+                            length=prompts[0].get("length")).ids
+        report.logits["generate"] = _compare_generation(models, ckpt, Path(candidate), kind, first, DTYPES[dtype],
+                                                        generate)
+        if report.logits["generate"]["first_difference"] is not None:
+            report.warnings.append(f"greedy generation differs from token {report.logits['generate']['first_difference']}"
+                                   f" of {generate}")
     return report
+
+
+def _compare_generation(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor,
+                        dtype: torch.dtype, n: int) -> dict:
+    """Greedy-decode n tokens with both models (no cache: each step re-runs the whole sequence)."""
+    def greedy(step: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
+        seq = ids
+        for _ in range(n):
+            nxt = step(seq)[0, -1].float().argmax().item()
+            seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
+        return seq[0, ids.shape[1]:].tolist()
+
+    reference_model = models.hf(ckpt, torch.float32)
+    with torch.no_grad():
+        reference = greedy(lambda seq: reference_model(input_ids=seq).logits)
+        if kind == "neutral":
+            cand_model = models.neutral(candidate, dtype)
+            produced = greedy(lambda seq: cand_model(seq))
+        else:
+            hf = models.hf(open_checkpoint(candidate), dtype)
+            produced = greedy(lambda seq: hf(input_ids=seq).logits)
+    first = next((k for k, (a, b) in enumerate(zip(reference, produced)) if a != b), None)
+    return {"tokens": n, "reference": reference, "candidate": produced, "first_difference": first}
 
 
 def _merge(report: Report, results: list[PointResult], logits: dict | None) -> None:

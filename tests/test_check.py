@@ -171,3 +171,13 @@ def test_reference_and_candidate_dtype_contract(tiny_dir, converted):
     report = parity.check(tiny_dir("llama"), converted("llama", "bfloat16"), dtype="bfloat16", layerwise=True)
     assert report.dtype == "bfloat16" and report.verdict == "pass"
     assert torch.isfinite(torch.tensor([p.rel_l2 for p in report.points])).all()
+
+
+def test_generate_reports_the_first_differing_token(tiny_dir, converted, tmp_path):
+    same = parity.check(tiny_dir("qwen2"), converted("qwen2"), generate=6)
+    gen = same.logits["generate"]
+    assert gen["first_difference"] is None and gen["reference"] == gen["candidate"] and len(gen["reference"]) == 6
+    broken = edited(converted("qwen2"), tmp_path / "bad", _scale("final_norm.weight", -1.0))
+    differs = parity.check(tiny_dir("qwen2"), broken, generate=6)
+    assert differs.logits["generate"]["first_difference"] == 0
+    assert any("greedy generation differs from token 0" in w for w in differs.warnings)
