@@ -171,16 +171,34 @@ def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Te
     return run
 
 
+# Candidate kinds beyond the two built in: kind -> (detect(path) -> bool, make_runner). A module
+# listed in PLUGINS registers its kinds when imported (ONNX files, engine dumps).
+CANDIDATES: dict[str, tuple[Callable[[Path], bool], Callable]] = {}
+PLUGINS: tuple[str, ...] = ()
+
+
+def register_candidate(kind: str, detect: Callable[[Path], bool], make_runner: Callable) -> None:
+    """make_runner(models, path, dtype, ids, feed, ckpt) -> run(emit); feed is None unless isolating."""
+    CANDIDATES[kind] = (detect, make_runner)
+
+
 def candidate_kind(path: Path) -> str:
+    import importlib
+
+    for module in PLUGINS:
+        importlib.import_module(module)
     path = Path(path)
+    for kind, (detect, _) in CANDIDATES.items():
+        if detect(path):
+            return kind
     if (path / "manifest.json").exists():
         return "neutral"
     if (path / "config.json").exists():
         return "transformers"
     if not path.exists():
         raise ParityError(f"--candidate {path}: no such file or directory")
-    raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json) or a Hugging Face checkpoint "
-                      f"(config.json)")
+    raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json), a Hugging Face checkpoint "
+                      f"(config.json){''.join(', or ' + k for k in CANDIDATES)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,9 +440,12 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
             say(f"compared {name}")
 
     say(f"running the candidate ({kind})")
-    runner = neutral_runner if kind == "neutral" else hf_runner
-    target = candidate if kind == "neutral" else open_checkpoint(candidate)
-    run = runner(models, target, low, ids, feed if isolate else None)
+    if kind in CANDIDATES:
+        run = CANDIDATES[kind][1](models, candidate, low, ids, feed if isolate else None, ckpt)
+    elif kind == "neutral":
+        run = neutral_runner(models, candidate, low, ids, feed if isolate else None)
+    else:
+        run = hf_runner(models, open_checkpoint(candidate), low, ids, feed if isolate else None)
     try:
         run(on_point)
     finally:
