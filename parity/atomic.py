@@ -65,3 +65,36 @@ def output_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def output_file(out: Path, *, force: bool = False, companions: tuple[str, ...] = (".data",)) -> Iterator[Path]:
+    """Yield a temporary directory beside ``out``; when the block completes, the file named like ``out``
+    in it becomes ``out``. Companions written beside it (``out.name`` + a suffix in ``companions``, such
+    as ONNX external data) are renamed into place first, so ``out`` never appears without them; those
+    of a replaced output that the new one lacks are removed."""
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise ParityError(f"{out} is a directory; give a file name for -o")
+    if out.exists() and not force:
+        raise ParityError(f"{out} already exists; choose another -o or pass --force to replace it")
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(_tmp_prefix(out) + "*"):  # left by a run that was killed outright
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(out), dir=parent))
+    try:
+        with _sigterm_as_exception():
+            yield tmp
+            if not (tmp / out.name).is_file():
+                raise ParityError(f"{out}: nothing was written")
+            for suffix in companions:
+                made, old = tmp / (out.name + suffix), parent / (out.name + suffix)
+                if made.is_file():
+                    os.replace(made, old)
+                elif old.is_file() and out.exists():
+                    old.unlink()
+            os.replace(tmp / out.name, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -8,8 +8,10 @@ import tempfile
 from pathlib import Path
 
 import click
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from . import __version__
 from .adapter import load_all
@@ -41,6 +43,21 @@ def adapters_option(fn):
         "--adapters", "adapter_dirs", multiple=True, type=click.Path(file_okay=False, path_type=Path),
         help="Directory of extra adapter TOML files (repeatable; also $PARITY_ADAPTERS). Overrides built-ins.",
     )(fn)
+
+
+def input_options(fn):
+    """``--prompt`` / ``--ids`` / ``--inputs`` / ``--length``: the token ids a command runs."""
+    options = [
+        click.option("--prompt", default=None, help="Text, tokenized with the reference's tokenizer."),
+        click.option("--ids", default=None, help="Comma-separated token ids."),
+        click.option("--inputs", "inputs_file", type=click.Path(path_type=Path), default=None,
+                     help="A JSON list of prompts (strings or id lists); each point keeps its worst result."),
+        click.option("--length", type=int, default=None,
+                     help="A deterministic prompt of N tokens (default: long enough to cross every sliding window)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
 
 
 @click.group(cls=Group, context_settings=CONTEXT)
@@ -136,25 +153,47 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
 
 @cli.command("convert", context_settings=CONTEXT)
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--to", "target", type=click.Choice(["neutral"]), required=True, help="Output format.")
-@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Directory to write.")
+@click.option("--to", "target", type=click.Choice(["neutral", "onnx"]), required=True, help="Output format.")
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
+              help="Directory to write (neutral), or the .onnx file (onnx).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="Dtype of the written tensors (default: the checkpoint's).")
+              help="Dtype of the written tensors (default: the checkpoint's; float32 for onnx, which takes "
+                   "float32 or float16).")
 @click.option("--rope-style", type=click.Choice(["half", "interleaved"]), default=None,
               help="Lay q/k rows out for engines that rotate half-split or adjacent pairs (default: as stored).")
+@click.option("--debug-outputs", is_flag=True,
+              help="onnx: add every capture point (embed, layers.0.attn_in, ...) as a graph output of that name.")
+@click.option("--opset", type=int, default=None, help="onnx: the ONNX opset (18-23; default: torch.onnx's).")
 @click.option("--force", is_flag=True, help="Replace the output if it exists.")
 @adapters_option
-def convert_cmd(model_dir, target, out, dtype, rope_style, force, adapter_dirs):
-    """Rewrite a checkpoint into the neutral layout: manifest.json + model.safetensors.
+def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, force, adapter_dirs):
+    """Rewrite a checkpoint into the neutral layout (manifest.json + model.safetensors), or export it to ONNX.
 
     The manifest states every convention as an explicit value (norm kind, eps, placement,
     attention scale, softcaps, RoPE per layer, windows per layer, ...); `1 + w` norm weights are
     folded, Conv1D weights transposed, fused q/k/v split. Tensors are streamed one at a time.
 
     \b
-    Example:
+    `--to onnx` exports the neutral executor with torch.onnx (dynamic batch and sequence; norms in
+    float32 inside a float16 graph); the manifest is kept in the model's metadata_props.
+
+    \b
+    Examples:
       parity convert ./gemma-2-9b --to neutral -o ./gemma-2-9b.neutral --dtype bfloat16
+      parity convert ./gemma-2-9b --to onnx -o gemma-2-9b.onnx --dtype float16 --debug-outputs
     """
+    if target == "onnx":
+        from .onnx_export import export
+
+        if rope_style:
+            raise ParityError("--rope-style applies to --to neutral; an ONNX graph rotates as the checkpoint stores")
+        done = export(model_dir, out, dtype=dtype, debug_outputs=debug_outputs, opset=opset, force=force,
+                      adapter_dirs=adapter_dirs)
+        click.echo(f"wrote {out}: {done['dtype']}, {done['manifest']['source']['family']}, "
+                   f"{len(done['outputs'])} output(s){', external data ' + out.name + '.data' if done['external_data'] else ''}")
+        return
+    if debug_outputs or opset is not None:
+        raise ParityError("--debug-outputs and --opset apply to --to onnx")
     from .neutral import convert
 
     manifest = convert(model_dir, out, dtype=dtype, rope_style=rope_style, force=force, adapter_dirs=adapter_dirs)
@@ -225,18 +264,15 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
 
 @cli.command("check", context_settings=CONTEXT)
 @click.option("--reference", required=True, type=click.Path(path_type=Path),
-              help="The Hugging Face checkpoint directory the candidate must match (run with transformers).")
+              help="The Hugging Face checkpoint directory the candidate must match (run with transformers), "
+                   "or a golden (parity golden record).")
 @click.option("--candidate", required=True, type=click.Path(path_type=Path),
-              help="A neutral directory (parity convert) or another Hugging Face checkpoint directory.")
+              help="A neutral directory (parity convert), another Hugging Face checkpoint directory, "
+                   "an engine dump (.safetensors, docs/dumps.md), or an ONNX model (.onnx).")
 @click.option("--layerwise", is_flag=True, help="Compare every capture point, not only the final output.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="The candidate's dtype; the reference runs in float32.")
-@click.option("--prompt", default=None, help="Text, tokenized with the reference's tokenizer.")
-@click.option("--ids", default=None, help="Comma-separated token ids.")
-@click.option("--inputs", "inputs_file", type=click.Path(path_type=Path), default=None,
-              help="A JSON list of prompts (strings or id lists); each point keeps its worst result.")
-@click.option("--length", type=int, default=None,
-              help="A deterministic prompt of N tokens (default: long enough to cross every sliding window).")
+@input_options
 @click.option("--isolate", is_flag=True, help="Feed each candidate layer the reference's input for that layer.")
 @click.option("--calibrate", is_flag=True, help="Set tolerances to a multiple of each point's own precision noise.")
 @click.option("--tolerance", multiple=True, metavar="SPEC",
@@ -247,9 +283,17 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
 @click.option("--generate", type=int, default=0, metavar="N",
               help="Also greedy-decode N tokens with both and report the first position where they differ.")
 @click.option("--per-layer", is_flag=True, help="Show one row per layer instead of one per point.")
+@click.option("--inject", metavar="BUG", default=None,
+              help="Run a neutral candidate with a catalogued porting mistake applied (see `parity bugs`).")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="With a golden --reference: the checkpoint it must have been recorded from (sha256 checked).")
+@click.option("--provider", default=None, metavar="NAME",
+              help="ONNX candidates: the onnxruntime execution provider (default CPUExecutionProvider).")
+@click.option("--map", "maps", multiple=True, metavar="POINT=VALUE",
+              help="ONNX candidates: read capture point POINT from graph value VALUE (repeatable).")
 @adapters_option
 def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
-              tolerance, report_paths, junit, generate, per_layer, adapter_dirs):
+              tolerance, report_paths, junit, generate, per_layer, inject, checkpoint, provider, maps, adapter_dirs):
     """Compare a candidate against the reference, point by point; exit 0 pass, 1 fail, 2 no verdict.
 
     \b
@@ -257,13 +301,16 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
       parity check --reference ./gemma-2-9b --candidate ./gemma-2-9b.neutral --layerwise
       parity check --reference ./llama --candidate ./llama.neutral --dtype bfloat16 --calibrate --report r.html
       parity check --reference ./qwen3 --candidate ./port --layerwise --isolate --junit parity.xml
+      parity check --reference golden/llama --candidate engine-dump.safetensors --layerwise
+      parity check --reference ./llama --candidate llama.onnx --layerwise --map layers.0.out=/model/layers.0/Add_1_output_0
     """
     from .runner import check
 
     report = _run_check(reference, candidate, dtype=dtype, layerwise=layerwise, isolate=isolate, calibrate=calibrate,
                         tolerance=list(tolerance), prompt=prompt, ids=_parse_id_list(ids), length=length,
                         inputs_file=inputs_file, generate=generate, adapter_dirs=adapter_dirs, per_layer=per_layer,
-                        report_paths=report_paths, junit=junit, run=check)
+                        report_paths=report_paths, junit=junit, run=check, checkpoint=checkpoint, inject=inject,
+                        provider=provider, maps=list(maps))
     sys.exit(report.exit_code)
 
 
@@ -295,6 +342,106 @@ def _parse_id_list(ids: str | None) -> list[int] | None:
         raise ParityError(f"--ids {ids!r}: expected comma-separated integers like 1,2,3") from None
 
 
+@cli.group("golden", cls=Group, context_settings=CONTEXT)
+def golden_group():
+    """Goldens: reference activations recorded once, so that a port is checked without transformers.
+
+    \b
+    Examples:
+      parity golden record ./llama -o golden/llama --points layers --storage float16 --calibrate
+      parity check --reference golden/llama --candidate engine-dump.safetensors --layerwise
+      parity golden verify golden/llama --reference ./llama    # does this transformers still reproduce it?
+    """
+
+
+@golden_group.command("record", context_settings=CONTEXT)
+@click.argument("reference", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Directory to write.")
+@input_options
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+              help="The candidates' dtype, which --calibrate measures the noise for; the reference runs in float32.")
+@click.option("--points", type=click.Choice(["all", "layers", "final"]), default="all", show_default=True,
+              help="Every capture point; the stream between layers (embed, layers.N.out, final_norm, logits); "
+                   "or the final output only.")
+@click.option("--calibrate", is_flag=True, help="Also store each point's precision noise and calibrated tolerance.")
+@click.option("--storage", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+              help="float16 halves the size; its rounding (rel_l2 ~3e-4) becomes a floor on tolerances.")
+@click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
+@adapters_option
+def golden_record_cmd(reference, out, prompt, ids, inputs_file, length, dtype, points, calibrate, storage, force,
+                      adapter_dirs):
+    """Run REFERENCE with transformers and store its activations, inputs and sha256s as a golden.
+
+    \b
+    Example:
+      parity golden record ./gemma-2-9b -o golden/gemma-2-9b --points layers --storage float16 --calibrate
+    """
+    from .golden import record, size
+
+    with Console(stderr=True).status("recording") as status:
+        golden = record(reference, out, prompt=prompt, ids=_parse_id_list(ids), length=length,
+                        inputs_file=inputs_file, dtype=dtype, points=points, calibrate=calibrate, storage=storage,
+                        force=force, adapter_dirs=adapter_dirs, progress=lambda message: status.update(message))
+    tokens = ", ".join(str(len(r["ids"])) for r in golden.runs)
+    click.echo(f"wrote {out}: {golden.description['family']}, {len(golden.points)} points, {tokens} tokens, "
+               f"{storage}{', calibrated for ' + dtype if calibrate else ''}; {_size(size(out))}")
+
+
+@golden_group.command("verify", context_settings=CONTEXT)
+@click.argument("golden", type=click.Path(path_type=Path))
+@click.option("--reference", required=True, type=click.Path(path_type=Path),
+              help="The checkpoint the golden was recorded from, run again with the installed transformers.")
+@click.option("--report", "report_paths", multiple=True, type=click.Path(path_type=Path),
+              help="Write the drift report: .json, .md or .html (repeatable).")
+@adapters_option
+def golden_verify_cmd(golden, reference, report_paths, adapter_dirs):
+    """Re-run the live reference and report drift from GOLDEN, point by point; exit 1 on drift.
+
+    \b
+    Example:
+      parity golden verify golden/gemma-2-9b --reference ./gemma-2-9b
+    """
+    from .golden import verify
+
+    report = _run_check(golden, reference, run=verify, per_layer=False, report_paths=report_paths, junit=None,
+                        adapter_dirs=adapter_dirs)
+    then = report.reference["recorded_with"]
+    versions = f"recorded with transformers {then['transformers']}, torch {then['torch']}"
+    if report:
+        click.echo(f"no drift: the live reference reproduces {golden} ({versions})")
+    else:
+        click.echo(f"drift at {report.first_divergence.name}: the live reference no longer reproduces {golden} "
+                   f"({versions})")
+    sys.exit(report.exit_code)
+
+
+@cli.command("inputs", context_settings=CONTEXT)
+@click.argument("reference", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
+              help="The JSON file to write: a list of token-id lists (replaced if it exists).")
+@input_options
+@adapters_option
+def inputs_cmd(reference, out, prompt, ids, inputs_file, length, adapter_dirs):
+    """Write the exact token ids an engine must run to be checked against REFERENCE (a checkpoint or a golden).
+
+    The file is what `parity check --inputs` reads, so both sides run the same ids.
+
+    \b
+    Example:
+      parity inputs golden/llama -o inputs.json
+    """
+    from .dumps import inputs_for, write_inputs
+
+    rows = inputs_for(reference, prompt=prompt, ids=_parse_id_list(ids), length=length, inputs_file=inputs_file,
+                      adapter_dirs=adapter_dirs)
+    write_inputs(out, rows)
+    click.echo(f"wrote {out}: {len(rows)} input(s) of {', '.join(str(len(r)) for r in rows)} tokens")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
 @cli.command("demo", context_settings=CONTEXT)
 @click.option("--report", "report_path", type=click.Path(path_type=Path), default=Path("demo-report.html"),
               show_default=True, help="Where to write the HTML report of the Gemma 2 check.")
@@ -303,7 +450,8 @@ def demo_cmd(report_path):
 
     Gemma 2 (sandwich norms, `1 + w`, softcaps, sliding windows), Llama and Qwen 3 are built with
     transformers' own classes, converted to the neutral layout, and checked against transformers in
-    float32 with calibrated tolerances; the Gemma 2 report is written as HTML.
+    float32 with calibrated tolerances; the Gemma 2 report is written as HTML. Then the Gemma 2
+    candidate is run with `norm-offset-dropped` injected, to show a failing verdict and its diagnosis.
     """
     from . import render
     from .runner import check
@@ -323,8 +471,76 @@ def demo_cmd(report_path):
             verdicts[family] = report.verdict
             if family == "gemma2":
                 render.write(report, report_path)
-    console.print(f"verdicts: {', '.join(f'{f} {v}' for f, v in verdicts.items())}; report written to {report_path}")
-    sys.exit(0 if all(v == "pass" for v in verdicts.values()) else 1)
+        # a port that forgot Gemma's `1 + w`: the check must fail, and say so by name
+        console.rule("gemma2 with a porting bug: parity check --inject norm-offset-dropped")
+        broken = check(Path(tmp) / "gemma2", Path(tmp) / "gemma2.neutral", layerwise=True, calibrate=True,
+                       inject="norm-offset-dropped")
+        render.console(broken, console, per_layer=True)
+    named = broken.diagnosis[0]["bug"] if broken.diagnosis else "nothing"
+    console.print(f"verdicts: {', '.join(f'{f} {v}' for f, v in verdicts.items())}; the injected bug: "
+                  f"{broken.verdict}, diagnosed as {named}; report written to {report_path}")
+    caught = broken.verdict == "fail" and named == "norm-offset-dropped"
+    sys.exit(0 if caught and all(v == "pass" for v in verdicts.values()) else 1)
+
+
+@cli.command("bugs", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bugs_cmd(as_json):
+    """The porting-bug catalog: each mistake, the families it applies to, and how it shows.
+
+    Every id can be injected (`parity check --inject ID`) and is diagnosed by name when a check fails.
+    """
+    from . import bugs
+
+    families = bugs.families()
+    rows = [{"id": b.id, "mistake": b.mistake, "families": families[b.id], "shows": b.shows, "seen_in": b.seen_in}
+            for b in bugs.CATALOG]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(box=None, show_lines=False)
+    for col in ("id", "mistake", "families", "shows"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r["id"], r["mistake"], ", ".join(r["families"]), r["shows"])
+    _console().print(table)
+
+
+@cli.command("selftest", context_settings=CONTEXT)
+@click.option("--families", default=None, help="Comma-separated families (default: all).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Run every pair in this dtype (default: float32; bfloat16 for norm-in-low-precision).")
+@click.option("--markdown", "md_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the matrix as a markdown table.")
+def selftest_cmd(families, dtype, md_path):
+    """Inject every applicable bug into every family's tiny checkpoint; check, diagnose, tabulate.
+
+    Ends with totals: detection rate, diagnosis accuracy, false alarms on clean conversions, and how
+    many a final-output np.allclose(atol=1e-5) or a next-token check would have caught.
+    Exit 0 when every pair is detected, no clean conversion fails and no diagnosis is wrong.
+    """
+    from . import selftest
+
+    console = _console()
+    with Console(stderr=True).status("selftest") as status:
+        rows = selftest.run(families.split(",") if families else None, dtype,
+                            progress=lambda message: status.update(message))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("family", "bug", "dtype", "detected", "first divergence", "diagnosis", "allclose", "top-1"):
+        table.add_column(col, no_wrap=True)
+    for r in rows:
+        ok = r.detected != (r.bug == "clean")
+        diag = "-" if r.diagnosed is None else r.diagnosed
+        table.add_row(r.family, r.bug, r.dtype, Text("yes" if r.detected else "no", style="green" if ok else "bold red"),
+                      r.first_divergence or "-", Text(diag, style="green" if r.diagnosis_right else "yellow"),
+                      "yes" if r.allclose_caught else "no", "yes" if r.top1_caught else "no")
+    console.print(table)
+    t = selftest.totals(rows)
+    console.print(selftest.markdown(rows).splitlines()[-1], soft_wrap=True)
+    if md_path:
+        md_path.write_text(selftest.markdown(rows) + "\n")
+    good = t["detected"] == t["pairs"] and t["false_alarms"] == 0 and t["diagnosed_wrong"] == 0
+    sys.exit(0 if good else 1)
 
 
 def main() -> None:

@@ -137,9 +137,11 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
     }
 
 
-def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str) -> dict:
-    """Every convention of the checkpoint as explicit values (tensors and files are added by convert)."""
+def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix: str | None = None) -> dict:
+    """Every convention of the checkpoint as explicit values, and the tensors it becomes (files: by convert)."""
     r = ckpt.resolved
+    prefix = prefix if prefix is not None else ckpt.variant.tensor_prefix[0]
+    layers = [layer_manifest(r, i, rope_style) for i in range(r.num_layers)]
     norms = {n.neutral: n for n in r.norms}
     vocab, hidden = next(t.shape for t in r.tensors if t.neutral == ("embed.tokens.weight",))
     has_logits = any(c.name == "logits" for c in r.capture)
@@ -175,7 +177,7 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str) -> dic
                 "norm": _norm(r, norms.get("embed.per_layer_norm")),
             },
         },
-        "layers": [layer_manifest(r, i, rope_style) for i in range(r.num_layers)],
+        "layers": layers,
         "final_norm": _norm(r, norms.get("final_norm")),
         "head": None if not has_logits else {
             "tied": bool(r["embedding.tied"]),
@@ -184,6 +186,10 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str) -> dic
                 "activation": r["mlp.activation"], "norm": _norm(r, norms.get("head.norm"))},
         },
         "capture_points": names.capture_names(r.num_layers, final_norm=r["norm.final"], logits=has_logits),
+        # shapes and dtypes as written; "transposed": the source stored it [in, out] (GPT-2's Conv1D)
+        "tensors": {name: {"shape": list(shape), "dtype": str(_stored_dtype(name, layers, dtype)).removeprefix("torch."),
+                           "transposed": t.transpose}
+                    for t in r.tensor_map(prefix).values() for name, shape in _neutral_shapes(t)},
     }
 
 
@@ -267,10 +273,10 @@ def restyle_rope(name: str, x: torch.Tensor, layer: dict, source: str, target: s
 # Convert
 
 
-def _stored_dtype(name: str, manifest: dict, target: torch.dtype) -> torch.dtype:
+def _stored_dtype(name: str, layers: list[dict], target: torch.dtype) -> torch.dtype:
     """The model dtype, except for tensors the model keeps in float32 whatever it runs in (a float32 router)."""
     if name.startswith("layers.") and ".moe.router." in name:
-        moe = manifest["layers"][int(name.split(".")[1])]["mlp"]["moe"]
+        moe = layers[int(name.split(".")[1])]["mlp"]["moe"]
         if moe and moe["router_dtype"] == "float32":
             return torch.float32
     return target
@@ -338,10 +344,10 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
     if r["positions.kind"] != "rope" and rope_style:
         raise ParityError(f"{ckpt.path}: --rope-style applies to RoPE models; {r.family} uses learned positions")
 
-    manifest = build_manifest(ckpt, target, style)
+    manifest = build_manifest(ckpt, target, style, check.prefix)
     tensor_map = r.tensor_map(check.prefix)
-    outputs = [PlannedTensor(n, shape, _stored_dtype(n, manifest, target))
-               for t in tensor_map.values() for n, shape in _neutral_shapes(t)]
+    outputs = [PlannedTensor(n, tuple(info["shape"]), getattr(torch, info["dtype"]))
+               for n, info in manifest["tensors"].items()]
     layer_of = lambda name: manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None  # noqa: E731
 
     reader = _Reader(max(t.nbytes for t in outputs))
@@ -364,13 +370,13 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
                     shard = next(writers)
                     writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT})
                     written = 0
-                writer.write(name, y.to(_stored_dtype(name, manifest, target)))
+                writer.write(name, y.to(getattr(torch, manifest["tensors"][name]["dtype"])))
                 written += 1
             del x
         files[shard.path.name] = {"sha256": writer.close(), "bytes": shard.path.stat().st_size}
         reader.close()
-        manifest["tensors"] = {t.name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                                        "file": where[t.name]} for t in outputs}
+        for name, info in manifest["tensors"].items():
+            info["file"] = where[name]
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in outputs)}, "weight_map": where}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

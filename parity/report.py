@@ -64,6 +64,9 @@ class Report:
     diagnosis: list[dict] = field(default_factory=list)
     calibrated: bool = False
     warnings: list[str] = field(default_factory=list)
+    # where a candidate's points were read from, for candidates that must find them (ONNX graphs):
+    # {"points": {name: {"value", "how"}}, "unmatched": {name: why}}
+    matching: dict | None = None
 
     @property
     def failing(self) -> list[PointResult]:
@@ -107,4 +110,5 @@ class Report:
             "logits": self.logits,
             "inputs": self.inputs,
             "warnings": self.warnings,
+            "matching": self.matching,
         }

@@ -127,25 +127,35 @@ class Models:
 
     def __init__(self):
         self.loaded: dict = {}
+        self.options: dict = {}  # candidate options from check() (ONNX: provider, map, layerwise)
+        self.notes: dict = {}    # what a candidate runner reports back: "matching", "warnings"
 
-    def hf(self, ckpt: Checkpoint, dtype: torch.dtype):
-        key = ("hf", str(ckpt.path), dtype)
+    def hf(self, ckpt: Checkpoint, dtype: torch.dtype, role: str = "reference"):
+        # one instance per role: the reference runs in another thread with its own hooks, so a
+        # candidate that is the same checkpoint must not share its modules
+        key = ("hf", str(ckpt.path), dtype, role)
         if key not in self.loaded:
             self.loaded[key] = _load_hf(ckpt, dtype)
         return self.loaded[key]
 
-    def neutral(self, path: Path, dtype: torch.dtype):
+    def neutral(self, path: Path, dtype: torch.dtype, inject: str | None = None):
+        from . import bugs
         from .executor.model import NeutralModel
+        from .neutral import load
 
-        key = ("neutral", str(path), dtype)
+        key = ("neutral", str(path), dtype, inject)
         if key not in self.loaded:
-            self.loaded[key] = NeutralModel.load(path, dtype)
+            manifest, tensors = load(path)
+            if inject:  # the executor runs the mistake exactly as a port would
+                manifest, tensors = bugs.inject(inject, manifest, tensors, bugs.families())
+            self.loaded[key] = NeutralModel(manifest, tensors, dtype)
         return self.loaded[key]
 
 
-def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None):
+def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
+              role: str = "reference"):
     """A function that runs a transformers checkpoint and emits its capture points."""
-    model = models.hf(ckpt, dtype)
+    model = models.hf(ckpt, dtype, role)
 
     def run(emit: Emit) -> None:
         from .capture import hooks
@@ -162,8 +172,9 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
     return run
 
 
-def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None):
-    model = models.neutral(path, dtype)
+def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
+                   inject: str | None = None):
+    model = models.neutral(path, dtype, inject)
 
     def run(emit: Emit) -> None:
         model(ids, on_point=emit, feed=feed)
@@ -174,7 +185,7 @@ def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Te
 # Candidate kinds beyond the two built in: kind -> (detect(path) -> bool, make_runner). A module
 # listed in PLUGINS registers its kinds when imported (ONNX files, engine dumps).
 CANDIDATES: dict[str, tuple[Callable[[Path], bool], Callable]] = {}
-PLUGINS: tuple[str, ...] = ()
+PLUGINS: tuple[str, ...] = ("parity.dumps", "parity.onnx_candidate")
 
 
 def register_candidate(kind: str, detect: Callable[[Path], bool], make_runner: Callable) -> None:
@@ -281,6 +292,20 @@ def read_inputs_file(path: Path) -> list[dict]:
     return out
 
 
+def select_inputs(ckpt: Checkpoint, *, prompt: str | None = None, ids: list[int] | None = None,
+                  length: int | None = None, inputs_file: Path | None = None) -> list[Inputs]:
+    """A check's inputs: each prompt of ``inputs_file``, or the one given (or the default prompt)."""
+    prompts = read_inputs_file(inputs_file) if inputs_file else [{"prompt": prompt, "ids": ids, "length": length}]
+    return [make_inputs(ckpt, prompt=p.get("prompt"), ids=p.get("ids"), length=p.get("length")) for p in prompts]
+
+
+def _golden(reference: Path, adapter_dirs):
+    """The golden at ``reference``, or None for a checkpoint directory."""
+    from .golden import is_golden, open_golden
+
+    return open_golden(reference, adapter_dirs) if is_golden(reference) else None
+
+
 def exercised(ckpt: Checkpoint, n: int) -> tuple[dict, list[str]]:
     """Which position-dependent conventions a prompt of n tokens reaches, and warnings for the rest."""
     r = ckpt.resolved
@@ -319,41 +344,94 @@ def _forward_names(ckpt: Checkpoint, layerwise: bool) -> list[str]:
 def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise: bool = False,
           isolate: bool = False, calibrate: bool = False, tolerance: list[str] = (), prompt: str | None = None,
           ids: list[int] | None = None, length: int | None = None, inputs_file: Path | None = None,
-          generate: int = 0, adapter_dirs=(), progress: Callable[[str], None] | None = None) -> Report:
-    """Compare ``candidate`` against ``reference``; returns the report (truthy when parity holds)."""
+          generate: int = 0, inject: str | None = None, diagnose: bool = True, checkpoint: Path | None = None,
+          adapter_dirs=(), progress: Callable[[str], None] | None = None, provider: str | None = None,
+          maps: list[str] | dict[str, str] = ()) -> Report:
+    """Compare ``candidate`` against ``reference``; returns the report (truthy when parity holds).
+
+    ``inject`` runs a neutral candidate with a catalogued porting mistake applied (parity bugs);
+    ``diagnose`` names the likely mistake when parity fails. ``reference`` may be a golden (parity.golden):
+    its stored activations replace the transformers run, and ``checkpoint`` must match its sha256s.
+    ``provider`` (an onnxruntime execution provider) and ``maps`` ("POINT=VALUE": the graph value a
+    capture point is read from) apply to ONNX candidates.
+    """
     if dtype not in DTYPES:
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    ckpt = open_checkpoint(Path(reference), adapter_dirs)
-    if not ckpt.has_weights:
-        raise ParityError(f"--reference {reference}: no weights; give a Hugging Face checkpoint directory")
+    golden = _golden(Path(reference), adapter_dirs)
+    if golden is not None:
+        golden.check_options(dtype=dtype, calibrate=calibrate, isolate=isolate, generate=generate)
+        if checkpoint is not None:
+            golden.match(Path(checkpoint), adapter_dirs)
+        ckpt, calibrate = golden.checkpoint, golden.calibrated_for(dtype)
+        all_inputs = golden.inputs(prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
+    else:
+        if checkpoint is not None:
+            raise ParityError("--checkpoint goes with a golden --reference: it checks the golden was recorded from it")
+        ckpt = open_checkpoint(Path(reference), adapter_dirs)
+        if not ckpt.has_weights:
+            raise ParityError(f"--reference {reference}: no weights; give a Hugging Face checkpoint directory")
+        all_inputs = select_inputs(ckpt, prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
     kind = candidate_kind(Path(candidate))
+    if inject and kind != "neutral":
+        raise ParityError(f"--inject needs a neutral candidate (the executor runs the mistake); {candidate} is {kind}")
     tolerances = Tolerances(dtype, list(tolerance))
-    prompts = read_inputs_file(inputs_file) if inputs_file else [{"prompt": prompt, "ids": ids, "length": length}]
-    report = Report(family=ckpt.resolved.family, reference={"kind": "transformers", "path": str(reference)},
+    report = Report(family=ckpt.resolved.family,
+                    reference=golden.describe() if golden else {"kind": "transformers", "path": str(reference)},
                     candidate={"kind": kind, "path": str(candidate)}, dtype=dtype,
                     mode="isolated" if isolate else "free", layerwise=layerwise, calibrated=calibrate)
     runs = []
     models = Models()
-    for item in prompts:
-        inputs = make_inputs(ckpt, prompt=item.get("prompt"), ids=item.get("ids"), length=item.get("length"))
+    models.options = _candidate_options(kind, provider, maps, layerwise)
+    kept: dict[str, dict] = {}
+    for k, inputs in enumerate(all_inputs):
         seen, warnings = exercised(ckpt, inputs.ids.shape[1])
         runs.append({"source": inputs.source, "ids": inputs.ids[0].tolist(), "exercised": seen})
         report.warnings += [w for w in warnings if w not in report.warnings]
         results, logits = _check_once(models, ckpt, Path(candidate), kind, inputs.ids, dtype, layerwise, isolate,
-                                      calibrate, tolerances, progress)
+                                      calibrate, tolerances, progress, inject, kept if not kept else None, golden, k)
+        if "ids" not in kept:
+            kept["ids"] = inputs.ids
         _merge(report, results, logits)
     report.inputs = {"runs": runs}
+    report.matching = models.notes.get("matching")
+    report.warnings += [w for w in models.notes.get("warnings", []) if w not in report.warnings]
+    # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
+    source = Path(reference) if golden is None else checkpoint and Path(checkpoint)
+    if diagnose and not source and not report:
+        report.warnings.append("no diagnosis: naming the likely mistake needs the weights; pass --checkpoint DIR")
+    if diagnose and source and not report and report.first_divergence.name in kept.get("candidate", {}):
+        from .diagnose import diagnose as name_the_bug
+
+        if progress:
+            progress("diagnosing")
+        first = report.first_divergence
+        report.diagnosis = name_the_bug(source, first.name, first.tolerance.rel_l2, kept["candidate"],
+                                        kept["reference"], kept["ids"], DTYPES[dtype])
     if generate:
         if report.logits is None:
             raise ParityError("--generate needs a model with an LM head")
-        first = make_inputs(ckpt, prompt=prompts[0].get("prompt"), ids=prompts[0].get("ids"),
-                            length=prompts[0].get("length")).ids
+        first = all_inputs[0].ids
         report.logits["generate"] = _compare_generation(models, ckpt, Path(candidate), kind, first, DTYPES[dtype],
                                                         generate)
         if report.logits["generate"]["first_difference"] is not None:
             report.warnings.append(f"greedy generation differs from token {report.logits['generate']['first_difference']}"
                                    f" of {generate}")
     return report
+
+
+def _candidate_options(kind: str, provider: str | None, maps, layerwise: bool) -> dict:
+    """--provider and --map (ONNX candidates only), checked and parsed."""
+    if isinstance(maps, dict):
+        maps = [f"{k}={v}" for k, v in maps.items()]
+    if (provider or maps) and kind != "onnx":
+        raise ParityError(f"--provider and --map apply to ONNX candidates; this candidate is {kind}")
+    parsed: dict[str, str] = {}
+    for item in maps:
+        point, sep, value = item.partition("=")
+        if not sep or not point.strip() or not value.strip():
+            raise ParityError(f"--map {item!r}: expected POINT=VALUE, e.g. layers.0.out=/model/layers.0/Add_1_output_0")
+        parsed[point.strip()] = value.strip()
+    return {"provider": provider, "map": parsed, "layerwise": layerwise}
 
 
 def _compare_generation(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor,
@@ -372,11 +450,22 @@ def _compare_generation(models: Models, ckpt: Checkpoint, candidate: Path, kind:
         if kind == "neutral":
             cand_model = models.neutral(candidate, dtype)
             produced = greedy(lambda seq: cand_model(seq))
+        elif kind in CANDIDATES:  # a plugin kind: its run's logits point
+            produced = greedy(lambda seq: _plugin_logits(models, ckpt, candidate, kind, seq, dtype))
         else:
-            hf = models.hf(open_checkpoint(candidate), dtype)
+            hf = models.hf(open_checkpoint(candidate), dtype, "candidate")
             produced = greedy(lambda seq: hf(input_ids=seq).logits)
     first = next((k for k, (a, b) in enumerate(zip(reference, produced)) if a != b), None)
     return {"tokens": n, "reference": reference, "candidate": produced, "first_difference": first}
+
+
+def _plugin_logits(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    got: dict[str, torch.Tensor] = {}
+    CANDIDATES[kind][1](models, candidate, dtype, ids, None, ckpt)(lambda name, t: got.setdefault(name, t))
+    if "logits" not in got:
+        raise ParityError(f"--generate: the {kind} candidate {candidate} gives no logits")
+    return got["logits"]
 
 
 def _merge(report: Report, results: list[PointResult], logits: dict | None) -> None:
@@ -395,16 +484,23 @@ def _merge(report: Report, results: list[PointResult], logits: dict | None) -> N
 
 
 def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor, dtype: str, layerwise: bool,
-                isolate: bool, calibrate: bool, tolerances: Tolerances,
-                progress: Callable[[str], None] | None) -> tuple[list[PointResult], dict | None]:
+                isolate: bool, calibrate: bool, tolerances: Tolerances, progress: Callable[[str], None] | None,
+                inject: str | None = None, kept: dict | None = None, golden=None,
+                run_index: int = 0) -> tuple[list[PointResult], dict | None]:
+    """One prompt. ``kept`` (when given) receives the two sides' tensors at the first failing point and
+    the final output, for the diagnosis. With a ``golden``, its run ``run_index`` is the reference."""
     say = progress or (lambda message: None)
     low = DTYPES[dtype]
     wanted = _forward_names(ckpt, layerwise)
     # the reference at float32 is the truth; calibration adds the reference at the candidate's dtype
     # (or float64 for a float32 check): their distance is each point's own precision noise
-    say("loading the reference")
-    streams = {"reference": Stream(hf_runner(models, ckpt, torch.float32, ids), "reference")}
-    if calibrate:
+    if golden is not None:  # stored activations (and noise), in place of transformers
+        wanted = [n for n in wanted if n in golden.points]
+        streams = {"reference": Stream(golden.runner(run_index), "golden")}
+    else:
+        say("loading the reference")
+        streams = {"reference": Stream(hf_runner(models, ckpt, torch.float32, ids), "reference")}
+    if calibrate and golden is None:
         other = torch.float64 if low == torch.float32 else low
         say(f"loading the reference at {str(other).removeprefix('torch.')} for calibration")
         streams["noise"] = Stream(hf_runner(models, ckpt, other, ids), "reference (calibration)")
@@ -432,21 +528,31 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
             last_reference_out[input_of[name]] = ref
         if name not in wanted_set:
             return
-        noise = metrics(noisy, ref)["rel_l2"] if noisy is not None else None
-        results.append(judge(name, metrics(got, ref), tolerances.for_point(name, noise), noise))
+        if golden is None:
+            noise, rounding = (metrics(noisy, ref)["rel_l2"] if noisy is not None else None), 0.0
+        else:
+            noise, rounding = golden.noise(run_index, name, dtype), golden.rounding(run_index, name)
+        # a golden's storage rounding is part of this comparison's noise
+        result = judge(name, metrics(got, ref), tolerances.for_point(name, noise, rounding),
+                       noise if noise is None else max(noise, rounding))
+        results.append(result)
+        if kept is not None and (name in ("logits", "final_norm") or
+                                 (not result.passed and not any(not p.passed for p in results[:-1]))):
+            kept.setdefault("candidate", {})[name] = got.clone()
+            kept.setdefault("reference", {})[name] = ref.clone()
         if name == "logits":
             logits = logit_metrics(got, ref)
         if name.endswith(".out"):
             say(f"compared {name}")
 
     say(f"running the candidate ({kind})")
-    if kind in CANDIDATES:
-        run = CANDIDATES[kind][1](models, candidate, low, ids, feed if isolate else None, ckpt)
-    elif kind == "neutral":
-        run = neutral_runner(models, candidate, low, ids, feed if isolate else None)
-    else:
-        run = hf_runner(models, open_checkpoint(candidate), low, ids, feed if isolate else None)
-    try:
+    try:  # the reference streams are running: whatever happens, let them finish
+        if kind in CANDIDATES:
+            run = CANDIDATES[kind][1](models, candidate, low, ids, feed if isolate else None, ckpt)
+        elif kind == "neutral":
+            run = neutral_runner(models, candidate, low, ids, feed if isolate else None, inject)
+        else:
+            run = hf_runner(models, open_checkpoint(candidate), low, ids, feed if isolate else None, "candidate")
         run(on_point)
     finally:
         for s in streams.values():

@@ -26,26 +26,35 @@ SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def tiny_config(adapter: Adapter, layers: int | None = None) -> tuple[str, dict]:
-    """The (architecture, config kwargs) make-tiny builds for a family."""
+def hidden_key(adapter: Adapter) -> str:
+    """The config key of the hidden size: the name in the embedding's shape (or the [derive] key behind it)."""
+    spec = adapter.spec
+    name = next(t.shape[1] for t in spec.tensors if t.neutral == "embed.tokens.weight").strip()
+    return spec.derive[name].keys[0] if name in spec.derive and spec.derive[name].keys else name
+
+
+def tiny_config(adapter: Adapter, layers: int | None = None, width: int | None = None) -> tuple[str, dict]:
+    """The (architecture, config kwargs) make-tiny builds for a family; ``width`` widens the hidden size."""
     tiny = adapter.spec.tiny
     num_layers = tiny.layers if layers is None else layers
     if num_layers < 1:
         raise ParityError(f"--layers must be at least 1 (got {num_layers})")
     layer_key = adapter.spec.derive["num_layers"].keys[0]
     config = {"vocab_size": VOCAB, **SPECIAL_IDS, **tiny.config, layer_key: num_layers}
+    if width is not None:
+        config[hidden_key(adapter)] = width
     for key, source in tiny.expr.items():
         config[key] = evaluate(source, {**config, "num_layers": num_layers})
     return tiny.architecture, config
 
 
-def build_model(adapter: Adapter, layers: int | None = None, seed: int = 0, *,
+def build_model(adapter: Adapter, layers: int | None = None, seed: int = 0, *, width: int | None = None,
                 architecture: str | None = None, overrides: dict | None = None) -> torch.nn.Module:
     """The tiny model of a family, randomised; ``architecture``/``overrides`` build other forms of it."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    default_arch, kwargs = tiny_config(adapter, layers)
+    default_arch, kwargs = tiny_config(adapter, layers, width)
     architecture = architecture or default_arch
     model_cls = getattr(transformers, architecture)
     config = model_cls.config_class(**{**kwargs, **(overrides or {})})
@@ -100,12 +109,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return out
 
 
-def make_tiny(adapter: Adapter, out: Path, *, layers: int | None = None, seed: int = 0,
+def make_tiny(adapter: Adapter, out: Path, *, layers: int | None = None, seed: int = 0, width: int | None = None,
               dtype: str = "float32", force: bool = False) -> Path:
     """Write a tiny checkpoint of ``adapter``'s family to ``out`` (atomically)."""
     if dtype not in DTYPES:
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    model = build_model(adapter, layers, seed).to(DTYPES[dtype])
+    model = build_model(adapter, layers, seed, width=width).to(DTYPES[dtype])
     with atomic.output_dir(Path(out), force=force) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         _tokenizer().save_pretrained(tmp)
@@ -114,3 +123,21 @@ def make_tiny(adapter: Adapter, out: Path, *, layers: int | None = None, seed: i
         cfg = json.loads(cfg_path.read_text())
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return Path(out)
+
+
+def tiny_manifest(adapter: Adapter) -> dict:
+    """The neutral manifest of the family's tiny checkpoint, from its config alone (no weights built)."""
+    import tempfile
+
+    import transformers
+
+    from .checkpoint import open_checkpoint
+    from .neutral import build_manifest
+
+    architecture, kwargs = tiny_config(adapter)
+    config = getattr(transformers, architecture).config_class(**kwargs).to_dict()
+    config["architectures"] = [architecture]
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        ckpt = open_checkpoint(Path(tmp), adapters={adapter.family: adapter})
+        return build_manifest(ckpt, torch.float32, ckpt.resolved["positions.rope_style"])

@@ -53,7 +53,8 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
 
     kv_a = F.linear(x, w["attn.kv_a.weight"], w.get("attn.kv_a.bias"))  # [B, S, kv_lora_rank + rope]
     c, k_rope = kv_a.split([spec["kv_lora_rank"], rope], dim=-1)
-    c = rms_norm(c, w["attn.kv_a_norm.weight"], spec["kv_a_norm"])  # [B, S, kv_lora_rank]
+    if spec["kv_a_norm"] is not None:
+        c = rms_norm(c, w["attn.kv_a_norm.weight"], spec["kv_a_norm"])  # [B, S, kv_lora_rank]
     k_rope = k_rope.view(B, 1, S, rope)                             # one rope head shared by all heads
 
     q_rope = apply_rope(q_rope, cos, sin, spec["rope_style"])
@@ -80,7 +81,9 @@ def _queries(x: Tensor, w: dict, spec: dict) -> Tensor:
     if spec.get("q_lora_rank") is None:
         return F.linear(x, w["attn.q.weight"], w.get("attn.q.bias"))
     q_a = F.linear(x, w["attn.q_a.weight"], w.get("attn.q_a.bias"))  # [B, S, q_lora_rank]
-    return F.linear(rms_norm(q_a, w["attn.q_a_norm.weight"], spec["q_a_norm"]), w["attn.q_b.weight"])
+    if spec["q_a_norm"] is not None:
+        q_a = rms_norm(q_a, w["attn.q_a_norm.weight"], spec["q_a_norm"])
+    return F.linear(q_a, w["attn.q_b.weight"])
 
 
 def rms_norm(x: Tensor, weight: Tensor, spec: dict) -> Tensor:
@@ -88,7 +91,7 @@ def rms_norm(x: Tensor, weight: Tensor, spec: dict) -> Tensor:
 
     ``spec`` is {"eps": float}, or a full norm spec (model.norm) that may ask for "weight_dtype": "float32".
     """
-    return norm(x, {"kind": "rmsnorm", "weight_dtype": "model", **spec}, weight, None)
+    return norm(x, {"kind": "rmsnorm", "weight_dtype": "model", "upcast": "float32", **spec}, weight, None)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:

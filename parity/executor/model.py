@@ -28,13 +28,15 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def norm(x: torch.Tensor, spec: dict, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """LayerNorm or RMSNorm over the last dim, statistics in float32 (``upcast``).
+    """LayerNorm or RMSNorm over the last dim, statistics in float32 (``upcast``; "none": the model dtype).
 
     ``weight_dtype`` says where the weight multiplies: "float32" multiplies the float32
     normalised value and casts once; "model" casts to the model dtype first (Llama's order).
     """
     dtype = x.dtype
-    if spec["kind"] == "layernorm":
+    if spec["upcast"] == "none" and dtype != torch.float32:
+        y = _low_precision_norm(x, spec)
+    elif spec["kind"] == "layernorm":
         y = F.layer_norm(x.float(), x.shape[-1:], None, None, spec["eps"])
     else:
         xf = x.float()
@@ -48,6 +50,22 @@ def norm(x: torch.Tensor, spec: dict, weight: torch.Tensor | None, bias: torch.T
         return y.to(dtype)
     y = weight * y.to(dtype)
     return y + bias if bias is not None else y
+
+
+def _mean_in(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the last dim accumulated in x's own dtype, one addition at a time, as a naive
+    low-precision kernel does (torch's reductions would quietly accumulate in float32)."""
+    acc = torch.zeros_like(x[..., :1])
+    for j in range(x.shape[-1]):
+        acc = acc + x[..., j:j + 1]
+    return acc / x.shape[-1]
+
+
+def _low_precision_norm(x: torch.Tensor, spec: dict) -> torch.Tensor:
+    """The normalisation computed entirely in the model dtype (``upcast`` "none")."""
+    if spec["kind"] == "layernorm":
+        x = x - _mean_in(x)
+    return x * torch.rsqrt(_mean_in(x * x) + spec["eps"])
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -55,7 +55,7 @@ def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict) -> Tens
     """
     weights, index = route(router_input, w, spec)                 # [T, k] float32, [T, k] int64
     act = ACTIVATIONS[spec["activation"]]
-    out = routed_experts(expert_input, weights, index, w, act)    # [T, H] model dtype
+    out = routed_experts(expert_input, weights, index, w, act, spec["experts"])  # [T, H] model dtype
     if spec.get("shared_experts"):
         out = out + gated_mlp(expert_input, w, "moe.shared", act)
     return out
@@ -114,10 +114,21 @@ def _sigmoid_choice(logits: Tensor, w: dict, spec: dict) -> tuple[Tensor, Tensor
     return scores.gather(1, index), index
 
 
-def routed_experts(x: Tensor, weights: Tensor, index: Tensor, w: dict, act) -> Tensor:
-    """sum_j weights[t, j] * expert_{index[t, j]}(x[t]) [T, H]: products and sum in float32, cast to x.dtype."""
+def routed_experts(x: Tensor, weights: Tensor, index: Tensor, w: dict, act, experts: int | None = None) -> Tensor:
+    """sum_j weights[t, j] * expert_{index[t, j]}(x[t]) [T, H]: products and sum in float32, cast to x.dtype.
+
+    Each chosen expert runs on the tokens that chose it. A graph being exported (torch.export, for
+    ONNX) cannot branch on which experts were chosen: there every one of the ``experts`` runs on every
+    token and keeps its output where it was chosen, which gives the same numbers bit for bit.
+    """
     T, k = index.shape
     contrib = torch.zeros(T, k, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, k, H]
+    if torch.compiler.is_exporting() and experts is not None:
+        for e in range(experts):
+            y = gated_mlp(x, w, f"moe.experts.{e}", act)          # [T, H] model dtype
+            chosen = (index == e)[..., None]                      # [T, k, 1]
+            contrib = torch.where(chosen, y[:, None, :] * weights[..., None], contrib)  # float32
+        return contrib.sum(1).to(x.dtype)
     for e in index.unique().tolist():
         token, slot = (index == e).nonzero(as_tuple=True)
         y = gated_mlp(x[token], w, f"moe.experts.{e}", act)       # [n, H] model dtype

@@ -164,6 +164,9 @@ SCALINGS = {
 }
 
 
+LENGTH_DEPENDENT = ("dynamic", "longrope")  # scalings whose frequencies depend on the sequence length
+
+
 def inv_freq(rope: dict, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies after scaling, float32 [rotary_dim // 2], and the factor that multiplies cos and sin.
 
@@ -189,7 +192,9 @@ def cos_sin(rope: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     Laid out for ``style``: "half" repeats the r/2 angles as a block (a0 .. a_{r/2-1}, a0 .. a_{r/2-1});
     "interleaved" repeats each one for its adjacent pair (a0, a0, a1, a1, ...).
     """
-    seq_len = int(positions.max()) + 1 if positions.numel() else None
+    # only "dynamic" and "longrope" read the length (from the data: an exported graph cannot, see onnx_export.py)
+    by_length = (rope.get("scaling") or {}).get("rope_type") in LENGTH_DEPENDENT
+    seq_len = int(positions.max()) + 1 if by_length and positions.numel() else None
     inv, attention = inv_freq(rope, seq_len)
     angles = positions[:, None].float() * inv[None, :]                          # [S, r/2]
     if rope["style"] == "half":

@@ -1,0 +1,371 @@
+"""The porting-bug catalog: the convention mistakes ports make, each injectable into a neutral model.
+
+An injection is a change to a neutral model's manifest (its conventions) or tensors — never a
+special case in the executor — so that the executor runs the mistake exactly as a port would.
+Whether a bug applies is read off the manifest too (a model with no sliding window cannot ignore
+one), so the catalog holds no family names; ``families`` is computed from the adapters' tiny
+checkpoints for display.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .errors import ParityError
+
+Tensors = dict[str, torch.Tensor]
+
+BLOCK_POST = ("attn_post_norm", "mlp_post_norm")
+
+
+@dataclass(frozen=True)
+class Bug:
+    id: str
+    mistake: str                 # one line, for `parity bugs`
+    explains: str                # "the candidate matches {explains}" in a diagnosis
+    shows: str                   # "garbage at once" | "degrades on long prompts" | "low precision only" | "subtle"
+    seen_in: str                 # where it happened in public ports
+    applies: Callable[[dict], bool]
+    inject: Callable[[dict, Tensors], None]   # changes (manifest, tensors) in place
+    dtype: str = "float32"       # the dtype its selftest runs in
+    width: int | None = None     # its selftest's hidden size, where 64 is too narrow for the mistake to show
+
+
+# --------------------------------------------------------------------------------------------
+# Walking a manifest
+
+
+def _norms(m: dict) -> Iterator[tuple[str, dict, dict, str]]:
+    """Every norm spec: (tensor name prefix, spec, the dict holding it, its key there)."""
+    emb = m["embedding"]
+    if emb["norm"]:
+        yield "embed.norm", emb["norm"], emb, "norm"
+    if emb["per_layer_input"] and emb["per_layer_input"]["norm"]:
+        yield "embed.per_layer_norm", emb["per_layer_input"]["norm"], emb["per_layer_input"], "norm"
+    for i, layer in enumerate(m["layers"]):
+        p = f"layers.{i}."
+        for slot, spec in layer["norms"].items():
+            if spec:
+                yield p + slot, spec, layer["norms"], slot
+        att = layer["attention"]
+        for key in ("q_norm", "k_norm", "v_norm"):
+            if att[key]:
+                yield p + f"attn.{key}", att[key], att, key
+        if att["mla"]:
+            for key in ("q_a_norm", "kv_a_norm"):
+                if att["mla"][key]:
+                    yield p + f"attn.{key}", att["mla"][key], att["mla"], key
+        moe = layer["mlp"]["moe"]
+        if moe:
+            for key, name in (("router_norm", "moe.router_norm"), ("expert_norm", "moe_norm"),
+                              ("expert_post_norm", "moe_post_norm"), ("dense_post_norm", "mlp_dense_post_norm")):
+                if moe[key]:
+                    yield p + name, moe[key], moe, key
+        if layer["per_layer_input"] and layer["per_layer_input"]["post_norm"]:
+            yield p + "pli_post_norm", layer["per_layer_input"]["post_norm"], layer["per_layer_input"], "post_norm"
+    if m["final_norm"]:
+        yield "final_norm", m["final_norm"], m, "final_norm"
+    head = m["head"]
+    if head and head["transform"] and head["transform"]["norm"]:
+        yield "head.norm", head["transform"]["norm"], head["transform"], "norm"
+
+
+def _attention(m: dict) -> Iterator[tuple[int, dict]]:
+    for i, layer in enumerate(m["layers"]):
+        yield i, layer["attention"]
+
+
+def _has(m: dict, test: Callable[[dict], bool]) -> bool:
+    return any(test(att) for _, att in _attention(m))
+
+
+def _scale_weight(t: Tensors, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    if f"{name}.weight" in t:
+        t[f"{name}.weight"] = change(t[f"{name}.weight"].float()).to(t[f"{name}.weight"].dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Injections
+
+
+def _offset_dropped(m: dict, t: Tensors) -> None:
+    for name, spec, _, _ in _norms(m):
+        if spec["folded_offset"]:
+            _scale_weight(t, name, lambda w: w - 1.0)  # stored 1 + w: the port uses w
+
+
+def _offset_added(m: dict, t: Tensors) -> None:
+    for name, spec, _, _ in _norms(m):
+        if spec["kind"] == "rmsnorm" and spec["weight"]:
+            _scale_weight(t, name, lambda w: w + 1.0)  # 1 + w where the family computes w (or +1 twice)
+
+
+def _eps_wrong(m: dict, t: Tensors) -> None:
+    for _, spec, _, _ in _norms(m):
+        spec["eps"] = 1e-6 if spec["eps"] != 1e-6 else 1e-5
+
+
+def _low_precision(m: dict, t: Tensors) -> None:
+    for _, spec, _, _ in _norms(m):
+        spec["upcast"] = "none"
+        spec["weight_dtype"] = "model"
+
+
+def _post_as_pre(m: dict, t: Tensors) -> None:
+    for i, layer in enumerate(m["layers"]):
+        norms = layer["norms"]
+        for sub in ("attn", "mlp"):
+            if norms[f"{sub}_res_norm"]:
+                norms[f"{sub}_norm"], norms[f"{sub}_res_norm"] = norms[f"{sub}_res_norm"], None
+                for part in ("weight", "bias"):
+                    old = f"layers.{i}.{sub}_res_norm.{part}"
+                    if old in t:
+                        t[f"layers.{i}.{sub}_norm.{part}"] = t.pop(old)
+
+
+def _post_dropped(m: dict, t: Tensors) -> None:
+    for layer in m["layers"]:
+        for slot in BLOCK_POST:
+            layer["norms"][slot] = None
+
+
+def _qk_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["qk_norm"], att["q_norm"], att["k_norm"] = "none", None, None
+
+
+def _qk_per_head(m: dict, t: Tensors) -> None:
+    for i, att in _attention(m):
+        if att["qk_norm"] == "full_width":
+            att["qk_norm"] = "per_head"  # statistics per head; the full-width weight laid out per head
+            for key, heads in (("q_norm", att["heads"]), ("k_norm", att["kv_heads"])):
+                name = f"layers.{i}.attn.{key}.weight"
+                t[name] = t[name].reshape(heads, att["head_dim"])
+
+
+def _v_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["v_norm"] = None
+
+
+def _softcap_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["softcap"] = None
+
+
+def _final_softcap_dropped(m: dict, t: Tensors) -> None:
+    m["head"]["softcap"] = None
+
+
+def _plain_scale(att: dict) -> float:
+    width = att["mla"]["qk_nope_head_dim"] + att["mla"]["qk_rope_head_dim"] if att["mla"] else att["head_dim"]
+    return width ** -0.5
+
+
+def _scale_wrong(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["scale"] = _plain_scale(att)
+
+
+def _embed_scale_dropped(m: dict, t: Tensors) -> None:
+    m["embedding"]["scale"] = 1.0
+
+
+GELU_SWAP = {"gelu_exact": "gelu_tanh", "gelu_tanh": "gelu_exact"}
+ACT_SWAP = {"silu": "gelu_tanh", "gelu_tanh": "silu", "gelu_exact": "silu"}
+
+
+def _activations(m: dict) -> Iterator[dict]:
+    for layer in m["layers"]:
+        yield layer["mlp"]
+        if layer["mlp"]["moe"]:
+            yield layer["mlp"]["moe"]
+    if m["head"] and m["head"]["transform"]:
+        yield m["head"]["transform"]
+
+
+def _swap(table: dict) -> Callable[[dict, Tensors], None]:
+    def inject(m: dict, t: Tensors) -> None:
+        for spec in _activations(m):
+            spec["activation"] = table.get(spec["activation"], spec["activation"])
+    return inject
+
+
+def _rope_permuted(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        rope = att["rope"]
+        rope["style"] = "interleaved" if rope["style"] == "half" else "half"
+
+
+def _theta_wrong(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["rope"]["theta"] = 10000.0 if att["rope"]["theta"] != 10000.0 else 1000000.0
+
+
+def _window_ignored(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["sliding_window"] = None
+
+
+def _qkv_bias_dropped(m: dict, t: Tensors) -> None:
+    for name in [n for n in t if n.startswith("layers.") and n.split(".", 2)[2] in
+                 ("attn.q.bias", "attn.k.bias", "attn.v.bias", "attn.q_a.bias", "attn.kv_a.bias")]:
+        del t[name]
+
+
+def _conv1d(m: dict) -> list[str]:
+    return [n for n, info in m["tensors"].items() if info.get("transposed") and len(info["shape"]) == 2
+            and info["shape"][0] == info["shape"][1]]
+
+
+def _conv1d_not_transposed(m: dict, t: Tensors) -> None:
+    for name in _conv1d(m):  # square Conv1D weights used as stored: W^T (the others would not even load)
+        t[name] = t[name].t().contiguous()
+
+
+def _untied(m: dict, t: Tensors) -> None:
+    m["head"]["tied"] = False
+    embed = t["embed.tokens.weight"]
+    gen = torch.Generator().manual_seed(0)
+    t["lm_head.weight"] = (torch.randn(embed.shape, generator=gen) * 0.02).to(embed.dtype)  # a fresh init
+
+
+def _mla_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        if att["mla"]:
+            att["mla"]["q_a_norm"] = att["mla"]["kv_a_norm"] = None
+
+
+def _rms(m: dict) -> bool:
+    return any(spec["kind"] == "rmsnorm" for _, spec, _, _ in _norms(m))
+
+
+CATALOG: list[Bug] = [
+    Bug("norm-offset-dropped", "`w` used where the family computes `1 + w`",
+        "the norm computed with `weight` instead of `1 + weight`", "garbage at once",
+        "llama.cpp and candle Gemma ports before their `+ 1` fix; mlx-lm's first Gemma",
+        lambda m: any(s["folded_offset"] for _, s, _, _ in _norms(m)), _offset_dropped),
+    Bug("norm-offset-added", "`1 + w` used where the family computes `w` (or +1 applied twice)",
+        "the norm computed with `1 + weight` instead of `weight`", "garbage at once",
+        "Gemma converters that added 1 at conversion and again at run time (llama.cpp, mergekit)",
+        _rms, _offset_added),
+    Bug("norm-eps-wrong", "eps differs from the config (e.g. 1e-6 for 1e-5)",
+        "the norms computed with a different eps", "subtle",
+        "hard-coded 1e-6 / 1e-5 in early vLLM and TensorRT-LLM Llama ports",
+        lambda m: any(True for _ in _norms(m)), _eps_wrong),
+    Bug("norm-in-low-precision", "norm computed in bf16/fp16 instead of float32",
+        "the norms computed in the model's low precision", "low precision only",
+        "fp16 RMSNorm kernels in early llama.cpp / GPTQ runtimes",
+        # accumulating mean(x^2) in bf16 loses the small terms once the sum is 256x larger: it takes a
+        # realistic width to show (at hidden 64 it stays within bf16's own noise)
+        lambda m: any(True for _ in _norms(m)), _low_precision, dtype="bfloat16", width=1024),
+    Bug("post-norm-as-pre-norm", "Post-Norm block ported as Pre-Norm",
+        "a Pre-Norm block where the family uses Post-Norm", "garbage at once",
+        "BERT ports reusing a GPT block (ONNX tutorials, TransformerLens' early BERT)",
+        lambda m: any(l["norms"]["attn_res_norm"] or l["norms"]["mlp_res_norm"] for l in m["layers"]), _post_as_pre),
+    Bug("sandwich-post-norm-dropped", "the post-attention / post-feedforward norms skipped",
+        "the block without its post-sublayer norms", "garbage at once",
+        "Gemma 2 ports that reused Gemma 1's block (llama.cpp, mlx-lm, vLLM)",
+        lambda m: any(l["norms"][s] for l in m["layers"] for s in BLOCK_POST), _post_dropped),
+    Bug("qk-norm-dropped", "q/k norms skipped", "attention without its q/k norms", "garbage at once",
+        "Qwen3 and OLMo 2 support added to runtimes built for Qwen2 / OLMo 1 (vLLM, llama.cpp)",
+        lambda m: _has(m, lambda a: a["qk_norm"] != "none"), _qk_dropped),
+    Bug("qk-norm-per-head", "full-width QK-Norm applied per head",
+        "the q/k norms taken per head instead of over the full projection width", "subtle",
+        "OLMo 2 ports reusing Qwen3's per-head QK-Norm (mlx-lm, llama.cpp)",
+        lambda m: _has(m, lambda a: a["qk_norm"] == "full_width"), _qk_per_head),
+    Bug("v-norm-dropped", "v norm skipped", "attention without its v-norm", "subtle",
+        "Gemma 4 ports adapted from Gemma 3 code",
+        lambda m: _has(m, lambda a: a["v_norm"] is not None), _v_dropped),
+    Bug("attn-softcap-dropped", "attention logit softcap skipped", "attention without its logit softcap",
+        "degrades on long prompts", "Gemma 2 under FlashAttention / SDPA paths that cannot softcap (vLLM, HF SDPA)",
+        lambda m: _has(m, lambda a: bool(a["softcap"])), _softcap_dropped),
+    Bug("final-softcap-dropped", "final logit softcap skipped", "logits without their final softcap", "subtle",
+        "Gemma 2 ports in llama.cpp and Ollama before the softcap landed",
+        lambda m: bool(m["head"] and m["head"]["softcap"]), _final_softcap_dropped),
+    Bug("attn-scale-wrong", "1/sqrt(head_dim) used where `query_pre_attn_scalar` rules, or the reverse",
+        "attention scaled by 1/sqrt(head_dim)", "subtle",
+        "Gemma 2 27B in llama.cpp and vLLM (query_pre_attn_scalar 144 != head_dim 128)",
+        lambda m: _has(m, lambda a: abs(a["scale"] - _plain_scale(a)) > 1e-9 * a["scale"]), _scale_wrong),
+    Bug("embed-scale-dropped", "embeddings not multiplied by sqrt(hidden)",
+        "embeddings without their sqrt(hidden) scale", "garbage at once",
+        "Gemma ports in candle and TensorRT-LLM's first Gemma release",
+        lambda m: m["embedding"]["scale"] != 1.0, _embed_scale_dropped),
+    Bug("gelu-variant-swapped", "exact GELU where tanh GELU is meant, or the reverse",
+        "the MLP with the other GELU variant", "subtle",
+        "Gemma's `hidden_act: gelu` (meant tanh) taken literally by transformers < 4.39 and ports",
+        lambda m: any(s["activation"] in GELU_SWAP for s in _activations(m)), _swap(GELU_SWAP)),
+    Bug("activation-swapped", "silu where gelu is meant, or the reverse", "the MLP with the wrong activation",
+        "garbage at once", "Gemma ports that reused Llama's SwiGLU MLP",
+        lambda m: any(l["mlp"]["gated"] for l in m["layers"]), _swap(ACT_SWAP)),
+    Bug("rope-permuted", "q/k rotated as interleaved pairs where the checkpoint is half-split, or the reverse",
+        "RoPE applied in the other pairing (half-split vs interleaved)", "garbage at once",
+        "HF <-> Meta Llama weight permutation mix-ups (llama.cpp convert, mlx, exllama)",
+        lambda m: _has(m, lambda a: a["rope"] is not None), _rope_permuted),
+    Bug("rope-theta-wrong", "RoPE base not taken from the config (e.g. 10000)",
+        "RoPE with a different base", "degrades on long prompts",
+        "Llama 3 (theta 500000) and Gemma 3 local/global bases run with 10000 (early GGUF metadata)",
+        lambda m: _has(m, lambda a: a["rope"] is not None), _theta_wrong),
+    Bug("sliding-window-ignored", "sliding-window layers attend globally",
+        "sliding-window layers attending globally", "degrades on long prompts",
+        "Mistral / Gemma 2 in runtimes without windowed attention (early vLLM, llama.cpp)",
+        lambda m: _has(m, lambda a: bool(a["sliding_window"])), _window_ignored),
+    Bug("qkv-bias-dropped", "q/k/v biases skipped", "attention without its q/k/v biases", "garbage at once",
+        "Qwen2 in runtimes built for bias-free Llama (early MLC, ExLlama)",
+        lambda m: any(n.split(".", 2)[2] in ("attn.q.bias", "attn.k.bias", "attn.v.bias", "attn.q_a.bias",
+                                               "attn.kv_a.bias") for n in m["tensors"] if n.startswith("layers.")),
+        _qkv_bias_dropped),
+    Bug("conv1d-not-transposed", "GPT-2 Conv1D weights used as `[out, in]` without transposing",
+        "the Conv1D weights used untransposed", "garbage at once",
+        "GPT-2 loaders treating Conv1D like nn.Linear (nanoGPT's explicit transpose list exists for this)",
+        lambda m: bool(_conv1d(m)), _conv1d_not_transposed),
+    Bug("tied-embeddings-broken", "lm_head not tied to the embeddings where the config ties them",
+        "an LM head that is not the embedding matrix", "garbage at once",
+        "tied-head checkpoints loaded into untied graphs (Gemma and Qwen2.5 small models in TensorRT-LLM, mergekit)",
+        lambda m: bool(m["head"] and m["head"]["tied"]), _untied),
+    Bug("mla-norm-dropped", "`q_a_layernorm` / `kv_a_layernorm` skipped", "MLA without its two latent norms",
+        "garbage at once", "DeepSeek-V2/V3 ports adapting Llama attention (early llama.cpp, vLLM)",
+        lambda m: _has(m, lambda a: a["mla"] is not None), _mla_dropped),
+]
+
+BY_ID = {b.id: b for b in CATALOG}
+
+
+def get(bug_id: str) -> Bug:
+    if bug_id not in BY_ID:
+        raise ParityError(f"unknown bug id {bug_id!r}; `parity bugs` lists them: {', '.join(BY_ID)}")
+    return BY_ID[bug_id]
+
+
+def applicable(manifest: dict) -> list[Bug]:
+    return [b for b in CATALOG if b.applies(manifest)]
+
+
+def inject(bug_id: str, manifest: dict, tensors: Tensors, families: dict[str, list[str]] | None = None
+           ) -> tuple[dict, Tensors]:
+    """A copy of (manifest, tensors) with the mistake applied; exit 2 if it does not apply."""
+    bug = get(bug_id)
+    if not bug.applies(manifest):
+        where = f" it applies to {', '.join(families[bug_id])}" if families else ""
+        raise ParityError(f"bug {bug_id} does not apply to this {manifest['source']['family']} model;{where}")
+    m, t = copy.deepcopy(manifest), dict(tensors)
+    bug.inject(m, t)
+    m["injected"] = bug_id
+    return m, t
+
+
+def families() -> dict[str, list[str]]:
+    """Bug id -> the families (by their tiny checkpoints' manifests) it applies to."""
+    from .adapter import load_all
+    from .tiny import tiny_manifest
+
+    out: dict[str, list[str]] = {b.id: [] for b in CATALOG}
+    for family, adapter in load_all().items():
+        manifest = tiny_manifest(adapter)
+        for b in applicable(manifest):
+            out[b.id].append(family)
+    return out

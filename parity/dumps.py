@@ -1,0 +1,151 @@
+"""Engine dumps: an engine's activations handed to parity as one safetensors file (docs/dumps.md).
+
+    write_dump("dump.safetensors", {"embed": x0, "layers.0.out": x1, "logits": logits}, input_ids=[1, 2, 3])
+    parity check --reference golden/llama --candidate dump.safetensors --layerwise
+
+Tensors are named by capture point and shaped [batch, seq, hidden] (logits [batch, seq, vocab]), in any
+float dtype; the token ids the engine ran are JSON under the metadata key ``input_ids``. Every point is
+optional: those a dump lacks are listed as not compared. A dump whose ids differ from the reference's
+is refused (exit 2): its numbers would be compared against another input.
+
+Importing this module registers the ``dump`` candidate kind (parity.runner.PLUGINS lists it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import atomic, names, runner
+from .errors import ParityError
+
+SUFFIX = ".safetensors"
+INPUT_IDS = "input_ids"
+
+
+def _rows(input_ids) -> list[list[int]]:
+    """Token ids as one list per batch row: from [S], [[...]] or a tensor of shape [S] or [B, S]."""
+    ids = input_ids.tolist() if torch.is_tensor(input_ids) else list(input_ids)
+    rows = ids if ids and isinstance(ids[0], (list, tuple)) else [ids]
+    return [[int(i) for i in row] for row in rows]
+
+
+def write_dump(path: Path, points: dict[str, torch.Tensor], input_ids) -> Path:
+    """Write ``points`` (capture-point name -> [batch, seq, ...] float tensor) and the ids the engine ran.
+
+    Args:
+        path: the ``.safetensors`` file to write (replaced atomically if it exists).
+        points: activations by capture-point name (``embed``, ``layers.0.out``, ``logits``, ...).
+        input_ids: the token ids, as a list, a list of rows, or a tensor of shape [S] or [B, S].
+    Returns:
+        ``path``.
+    """
+    path = Path(path)
+    rows = _rows(input_ids)
+    if not rows or not rows[0]:
+        raise ParityError(f"{path}: no input ids; pass the token ids the engine ran")
+    batch, seq = len(rows), len(rows[0])
+    bad = [f"{name} {list(t.shape)} {t.dtype}" for name, t in points.items()
+           if not t.is_floating_point() or t.dim() < 3 or tuple(t.shape[:2]) != (batch, seq)]
+    if bad:
+        raise ParityError(f"{path}: tensors must be float, shaped [batch={batch}, seq={seq}, width]: {', '.join(bad)}")
+    tensors, storages = {}, set()
+    for name, t in points.items():
+        t = t.detach().cpu().contiguous()
+        if t.untyped_storage().data_ptr() in storages:  # one tensor at two points (BERT: embed is attn_in)
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    with atomic.output_file(path, force=True, companions=()) as tmp:
+        save_file(tensors, str(tmp / path.name), metadata={INPUT_IDS: json.dumps(rows[0] if batch == 1 else rows)})
+    return path
+
+
+def read_ids(path: Path) -> list[list[int]]:
+    """The ids stored in a dump's metadata, one list per batch row."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            raw = (handle.metadata() or {}).get(INPUT_IDS)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad header
+        raise ParityError(f"{path}: not a readable safetensors file ({exc})") from None
+    if raw is None:
+        raise ParityError(f"{path}: no {INPUT_IDS!r} in the metadata; store the token ids the engine ran as JSON "
+                          f"(docs/dumps.md)")
+    try:
+        ids = json.loads(raw)
+        rows = _rows(ids)
+    except (json.JSONDecodeError, TypeError, ValueError):
+        raise ParityError(f"{path}: metadata {INPUT_IDS!r} is not a JSON list of token ids: {raw[:60]!r}") from None
+    return rows
+
+
+def _expected(name: str, capture: set[str], num_layers: int) -> bool:
+    """A capture point of the model, or a finer point below one (``layers.{i}.<anything>``, ``logits.<x>``)."""
+    if name in capture:
+        return True
+    head, _, rest = name.partition(".")
+    if head == "layers":
+        index, _, below = rest.partition(".")
+        return index.isdigit() and int(index) < num_layers and bool(below)
+    return head in capture and bool(rest)
+
+
+def dump_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed, ckpt):
+    """Replays a dump as a candidate run: its points, in forward order, after checking its ids."""
+    if feed is not None:
+        raise ParityError(f"--candidate {path}: a dump holds one free run and cannot be fed the reference's layer "
+                          f"inputs; drop --isolate")
+    dumped, expected = read_ids(path), _rows(ids)
+    if dumped != expected:
+        got, want = dumped[0], expected[0]
+        where = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        raise ParityError(f"--candidate {path}: its input ids differ from the reference's (the dump ran {len(got)} "
+                          f"tokens, the reference {len(want)}; first difference at position {where}); run the engine "
+                          f"on the ids of `parity inputs REFERENCE -o inputs.json`")
+    capture = {c.name for c in ckpt.resolved.capture}
+    with safe_open(path, framework="pt") as handle:
+        stored = list(handle.keys())
+    unknown = [n for n in stored if not _expected(n, capture, ckpt.resolved.num_layers)]
+    if unknown:
+        raise ParityError(f"--candidate {path}: tensors not named by a capture point of this {ckpt.resolved.family} "
+                          f"model: {', '.join(unknown)} (names like embed, layers.0.out, logits; docs/dumps.md)")
+    stored.sort(key=names.point_order)
+
+    def run(emit) -> None:
+        with safe_open(path, framework="pt") as handle:
+            for name in stored:
+                emit(name, handle.get_tensor(name))
+
+    return run
+
+
+def is_dump(path: Path) -> bool:
+    return Path(path).suffix == SUFFIX and Path(path).is_file()
+
+
+runner.register_candidate("dump", is_dump, dump_runner)
+
+
+def inputs_for(reference: Path, *, prompt: str | None = None, ids: list[int] | None = None,
+               length: int | None = None, inputs_file: Path | None = None, adapter_dirs=()) -> list[list[int]]:
+    """The token ids an engine must run to be checked against ``reference`` (a checkpoint or a golden)."""
+    from .checkpoint import open_checkpoint
+    from .golden import is_golden, open_golden
+
+    asked = {"prompt": prompt, "ids": ids, "length": length, "inputs_file": inputs_file}
+    if is_golden(Path(reference)):
+        chosen = open_golden(Path(reference), adapter_dirs).inputs(**asked)
+    else:
+        chosen = runner.select_inputs(open_checkpoint(Path(reference), adapter_dirs), **asked)
+    return [inputs.ids[0].tolist() for inputs in chosen]
+
+
+def write_inputs(path: Path, rows: list[list[int]]) -> Path:
+    """A JSON list of token-id lists: what the engine runs, and what ``parity check --inputs`` reads back."""
+    with atomic.output_file(Path(path), force=True, companions=()) as tmp:
+        (tmp / Path(path).name).write_text("[\n" + ",\n".join(json.dumps(row) for row in rows) + "\n]\n")
+    return Path(path)

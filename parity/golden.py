@@ -1,0 +1,313 @@
+"""Goldens: a reference's activations recorded once, so that a port can be checked without transformers.
+
+    parity golden record ./gemma-2-9b -o golden/gemma-2-9b --points layers --storage float16 --calibrate
+    parity check --reference golden/gemma-2-9b --candidate engine-dump.safetensors --layerwise
+
+A golden is a directory:
+
+    golden.json                 what was run: the token ids, the checkpoint's config and sha256s, family,
+                                dtype, torch/transformers versions, the capture points, and with --calibrate
+                                each point's noise floor and tolerance
+    activations.safetensors     the reference's capture points ([1, S, H]) for the first input, in the
+                                engine-dump format (docs/dumps.md): tensors by capture point, ids in the metadata
+    activations.1.safetensors   ... one more file per further input (--inputs)
+
+A check against a golden replays the stored activations where the transformers run would be: the
+report, verdict and exit codes are a live check's. Calibration is measured as a live check measures
+it (the reference again at float64 for a float32 golden, or at the golden's low dtype) and replayed
+when the check's dtype is the golden's. A golden stored in float16 carries its own rounding (rel_l2
+about 3e-4); no point's tolerance is set below parity.compare.ROUNDING_MARGIN times it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from . import __version__, atomic, dumps, runner
+from .adapter import load_all, recognise, resolve, text_config
+from .checkpoint import Checkpoint, open_checkpoint
+from .compare import Tolerances, metrics
+from .errors import ParityError
+from .shards import sha256_file
+
+FORMAT = "parity-golden"
+FORMAT_VERSION = 1
+DESCRIPTION = "golden.json"
+SELECTIONS = ("all", "layers", "final")
+STORAGE = {"float32": torch.float32, "float16": torch.float16}
+
+
+def is_golden(path: Path) -> bool:
+    return (Path(path) / DESCRIPTION).is_file()
+
+
+def config_sha256(config: dict) -> str:
+    """sha256 of the config as canonical JSON, without the transformers version that happened to save it."""
+    body = {k: v for k, v in config.items() if k != "transformers_version"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def checkpoint_sha256(ckpt: Checkpoint) -> dict[str, str]:
+    """The config's (canonical) and every weight file's sha256."""
+    return {ckpt.config_path.name: config_sha256(ckpt.config), **{f.name: sha256_file(f) for f in ckpt.files}}
+
+
+def select_points(ckpt: Checkpoint, which: str) -> list[str]:
+    """``all`` capture points, the residual stream between ``layers`` (and what the model ends with), or the
+    ``final`` output only."""
+    if which not in SELECTIONS:
+        raise ParityError(f"--points {which!r} is not one of {', '.join(SELECTIONS)}")
+    points = [c.name for c in ckpt.resolved.capture]
+    final = runner._forward_names(ckpt, layerwise=False)
+    if which == "all":
+        return points
+    if which == "final":
+        return final
+    keep = {"embed", "final_norm", *final, *(f"layers.{i}.out" for i in range(ckpt.resolved.num_layers))}
+    return [p for p in points if p in keep]
+
+
+def _diff_keys(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in a.keys() | b.keys() if k != "transformers_version" and a.get(k) != b.get(k))
+
+
+@dataclass
+class Golden:
+    path: Path
+    description: dict
+    checkpoint: Checkpoint     # recognised from the stored config; no weights
+
+    @property
+    def points(self) -> list[str]:
+        return self.description["capture_points"]
+
+    @property
+    def runs(self) -> list[dict]:
+        return self.description["runs"]
+
+    @property
+    def dtype(self) -> str:
+        return self.description["dtype"]
+
+    def calibrated_for(self, dtype: str) -> bool:
+        return self.description["calibrated"] and self.dtype == dtype
+
+    def describe(self) -> dict:
+        """The report's ``reference`` entry."""
+        return {"kind": "golden", "path": str(self.path), "recorded_with": self.description["recorded_with"],
+                "checkpoint": self.description["checkpoint"]["sha256"]}
+
+    def runner(self, k: int) -> Callable[[runner.Emit], None]:
+        """Emits run k's stored points in forward order (as float32), in place of a transformers run."""
+        file = self.path / self.runs[k]["file"]
+
+        def run(emit: runner.Emit) -> None:
+            with safe_open(file, framework="pt") as handle:
+                for name in self.points:
+                    emit(name, handle.get_tensor(name).float())
+
+        return run
+
+    def noise(self, k: int, name: str, dtype: str) -> float | None:
+        """Point ``name``'s calibrated noise in run k, when the golden was calibrated for ``dtype``."""
+        return self.runs[k]["points"][name].get("noise") if self.calibrated_for(dtype) else None
+
+    def rounding(self, k: int, name: str) -> float:
+        """rel_l2 between point ``name`` as stored and as the reference computed it (0 in float32)."""
+        return self.runs[k]["points"][name]["storage_rel_l2"]
+
+    def inputs(self, *, prompt: str | None = None, ids: list[int] | None = None, length: int | None = None,
+               inputs_file: Path | None = None) -> list[runner.Inputs]:
+        """The golden's inputs; inputs asked for on the command line must be the same ones."""
+        stored = [runner.Inputs(torch.tensor([r["ids"]]), f"{r['source']} (golden)") for r in self.runs]
+        if prompt is None and ids is None and length is None and inputs_file is None:
+            return stored
+        asked = (runner.read_inputs_file(inputs_file) if inputs_file
+                 else [{"prompt": prompt, "ids": ids, "length": length}])
+
+        def same(item: dict, run: dict) -> bool:
+            if item.get("prompt") is not None:
+                return run["source"] == f"prompt {item['prompt']!r}"
+            return runner.make_inputs(self.checkpoint, ids=item.get("ids"), length=item.get("length")).ids[0].tolist() \
+                == run["ids"]
+
+        if len(asked) != len(self.runs) or not all(same(a, r) for a, r in zip(asked, self.runs)):
+            held = "; ".join(f"{len(r['ids'])} tokens ({r['source']})" for r in self.runs)
+            raise ParityError(f"--reference {self.path}: the golden fixes the inputs ({held}) and they differ from "
+                              f"those asked for; drop --prompt/--ids/--inputs/--length, or record a golden for them")
+        return stored
+
+    def check_options(self, *, dtype: str, calibrate: bool, isolate: bool, generate: int) -> None:
+        """Refuse what a golden cannot answer, each with its fix."""
+        if calibrate and not self.calibrated_for(dtype):
+            why = (f"was calibrated for {self.dtype} candidates" if self.description["calibrated"]
+                   else "was recorded without --calibrate")
+            raise ParityError(f"--reference {self.path}: the golden {why}; drop --calibrate, or record it with "
+                              f"--dtype {dtype} --calibrate")
+        needed = {"embed", *(f"layers.{i}.out" for i in range(self.checkpoint.resolved.num_layers))}
+        if isolate and not needed <= set(self.points):
+            raise ParityError(f"--reference {self.path}: --isolate feeds each layer the reference's layers.*.out, "
+                              f"which this golden does not hold; record it with --points layers or all")
+        if generate:
+            raise ParityError(f"--reference {self.path}: --generate runs the reference model, and a golden holds one "
+                              f"forward pass; generate against the checkpoint itself")
+
+    def match(self, directory: Path, adapter_dirs=()) -> None:
+        """Raise unless ``directory`` is the checkpoint the golden was recorded from (by sha256)."""
+        ckpt = open_checkpoint(Path(directory), adapter_dirs)
+        want, got = self.description["checkpoint"]["sha256"], checkpoint_sha256(ckpt)
+        problems = []
+        for name in sorted(want.keys() | got.keys()):
+            if name not in got:
+                problems.append(f"{name} missing")
+            elif name not in want:
+                problems.append(f"{name} not in the golden")
+            elif want[name] != got[name]:
+                keys = _diff_keys(self.checkpoint.config, ckpt.config) if name == ckpt.config_path.name else []
+                problems.append(f"{name} differs" + (f" (keys {', '.join(keys[:6])})" if keys else ""))
+        if problems:
+            raise ParityError(f"--checkpoint {directory} is not the checkpoint golden {self.path} was recorded from: "
+                              f"{'; '.join(problems)}; record the golden again from it (parity golden record)")
+
+
+def open_golden(path: Path, adapter_dirs=()) -> Golden:
+    """Read a golden directory; its family's adapter is recognised from the stored config."""
+    path = Path(path)
+    file = path / DESCRIPTION
+    if not file.is_file():
+        raise ParityError(f"{path}: no {DESCRIPTION}; give a directory written by `parity golden record`")
+    try:
+        description = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ParityError(f"{file}: not valid JSON ({exc}); record the golden again") from None
+    if not isinstance(description, dict) or description.get("format") != FORMAT \
+            or description.get("format_version") != FORMAT_VERSION:
+        raise ParityError(f"{file}: not a {FORMAT} v{FORMAT_VERSION} description; record the golden again with "
+                          f"this parity")
+    config = description["checkpoint"]["config"]
+    adapter, variant = recognise(config, load_all(adapter_dirs), str(file))
+    inner = text_config(config, variant, str(file))
+    resolved = resolve(adapter, variant, inner, wrapper=config if inner is not config else None)
+    if resolved.family != description["family"]:
+        raise ParityError(f"{file}: recorded as {description['family']} but its config reads as {resolved.family} "
+                          f"with these adapters; check --adapters")
+    for run in description["runs"]:
+        held = _keys(path / run["file"])
+        missing = [p for p in description["capture_points"] if p not in held]
+        if missing:
+            raise ParityError(f"{path / run['file']}: missing {', '.join(missing)}; record the golden again")
+    ckpt = Checkpoint(path, file, config, adapter, variant, resolved, files=[], tensors={})
+    return Golden(path, description, ckpt)
+
+
+def _keys(file: Path) -> set[str]:
+    try:
+        with safe_open(file, framework="pt") as handle:
+            return set(handle.keys())
+    except Exception as exc:  # noqa: BLE001 - missing, truncated or damaged
+        raise ParityError(f"{file}: not a readable safetensors file ({exc}); record the golden again") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Recording
+
+
+def _selected(run: Callable[[runner.Emit], None], wanted: set[str]) -> Callable[[runner.Emit], None]:
+    return lambda emit: run(lambda name, t: emit(name, t) if name in wanted else None)
+
+
+def _capture(models: runner.Models, ckpt: Checkpoint, ids: torch.Tensor, points: list[str], dtype: str,
+             calibrate: bool, storage: torch.dtype) -> tuple[dict, dict]:
+    """Run the reference (and its calibration twin); returns (stored tensors, per-point description)."""
+    wanted = set(points)
+    ref = runner.Stream(_selected(runner.hf_runner(models, ckpt, torch.float32, ids), wanted), "reference")
+    other = torch.float64 if dtype == "float32" else runner.DTYPES[dtype]
+    noisy = (runner.Stream(_selected(runner.hf_runner(models, ckpt, other, ids), wanted), "reference (calibration)")
+             if calibrate else None)
+    tolerances = Tolerances(dtype)
+    tensors, info = {}, {}
+    try:
+        for name in points:
+            x = ref.get(name)
+            if x is None:
+                raise ParityError(f"{ckpt.path}: the reference never produced {name}; fix the adapter's capture map")
+            kept = x.to(storage).contiguous()
+            if torch.isfinite(x).all() and not torch.isfinite(kept).all():
+                raise ParityError(f"{name} exceeds {str(storage).removeprefix('torch.')}'s range (max |x| "
+                                  f"{x.abs().max().item():.4g}); record with --storage float32")
+            entry = {"shape": list(x.shape), "storage_rel_l2": metrics(kept, x)["rel_l2"]}
+            if noisy is not None:
+                noise = metrics(noisy.get(name), x)["rel_l2"]
+                tolerance = tolerances.for_point(name, noise, entry["storage_rel_l2"])
+                entry.update(noise=noise, tolerance=asdict(tolerance))
+            tensors[name], info[name] = kept, entry
+    finally:
+        ref.drain()
+        if noisy is not None:
+            noisy.drain()
+    return tensors, info
+
+
+def record(reference: Path, out: Path, *, prompt: str | None = None, ids: list[int] | None = None,
+           length: int | None = None, inputs_file: Path | None = None, dtype: str = "float32", points: str = "all",
+           calibrate: bool = False, storage: str = "float32", force: bool = False, adapter_dirs=(),
+           progress: Callable[[str], None] | None = None) -> Golden:
+    """Run the reference checkpoint with transformers and store its capture points as a golden at ``out``."""
+    import transformers
+
+    say = progress or (lambda message: None)
+    if dtype not in runner.DTYPES:
+        raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(runner.DTYPES)}")
+    if storage not in STORAGE:
+        raise ParityError(f"--storage {storage!r} is not one of {', '.join(STORAGE)}")
+    if is_golden(Path(reference)):
+        raise ParityError(f"{reference} is a golden; record from the Hugging Face checkpoint it was recorded from")
+    ckpt = open_checkpoint(Path(reference), adapter_dirs)
+    if not ckpt.has_weights:
+        raise ParityError(f"{reference}: no weights; give a Hugging Face checkpoint directory")
+    selected = select_points(ckpt, points)
+    all_inputs = runner.select_inputs(ckpt, prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
+    say("hashing the checkpoint")
+    description = {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "family": ckpt.resolved.family, "architecture": ckpt.variant.architectures[0],
+        "dtype": dtype, "storage": storage, "points": points, "calibrated": calibrate,
+        "checkpoint": {"path": str(reference), "sha256": checkpoint_sha256(ckpt), "config": ckpt.config},
+        "recorded_with": {"parity": __version__, "torch": torch.__version__,
+                          "transformers": transformers.__version__, "python": platform.python_version()},
+        "capture_points": selected,
+        "runs": [],
+    }
+    models = runner.Models()
+    with atomic.output_dir(Path(out), force=force) as tmp:
+        for k, inputs in enumerate(all_inputs):
+            say(f"running the reference on input {k + 1} of {len(all_inputs)}")
+            tensors, info = _capture(models, ckpt, inputs.ids, selected, dtype, calibrate, STORAGE[storage])
+            file = "activations.safetensors" if k == 0 else f"activations.{k}.safetensors"
+            dumps.write_dump(tmp / file, tensors, inputs.ids)
+            description["runs"].append({"source": inputs.source, "ids": inputs.ids[0].tolist(), "file": file,
+                                        "points": info})
+        (tmp / DESCRIPTION).write_text(json.dumps(description, indent=1) + "\n")
+    return open_golden(Path(out), adapter_dirs)
+
+
+def size(path: Path) -> int:
+    """Bytes on disk of a golden directory."""
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
+def verify(path: Path, reference: Path, *, adapter_dirs=(), progress: Callable[[str], None] | None = None):
+    """Re-run the live reference against the golden: a report whose failing points are drift."""
+    golden = open_golden(Path(path), adapter_dirs)
+    golden.match(Path(reference), adapter_dirs)  # drift against another checkpoint would mean nothing
+    # the golden holds the float32 reference: the live one, run the same way, is the candidate
+    return runner.check(Path(path), Path(reference), dtype="float32", layerwise=True, adapter_dirs=adapter_dirs,
+                        progress=progress)

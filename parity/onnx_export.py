@@ -1,0 +1,229 @@
+"""``parity convert --to onnx``: the neutral executor exported as an ONNX graph.
+
+The checkpoint is first converted to the neutral layout (in the output's temporary directory), then
+the executor (parity/executor) is traced with torch.export and written by torch.onnx, so the graph
+computes exactly what the manifest states: norms (in float32 inside a float16 graph), softcaps,
+QK/v-norms, sliding-window masks and RoPE tables are ops in the graph, built from the sequence
+length at run time. Batch and sequence are dynamic.
+
+Inputs: ``input_ids`` [batch, sequence] int64, and ``token_type_ids`` where the model has token
+types. Outputs: ``logits`` (or ``last_hidden_state`` for a model without an LM head); with
+``debug_outputs`` every other capture point too, named as in DESIGN.md (``embed``,
+``layers.0.attn_in``, ...). Initializers keep the neutral tensor names (``layers.0.attn_norm.weight``).
+``metadata_props`` hold the manifest (``parity.manifest``: family, conventions, source hashes) and
+the capture points the graph outputs (``parity.capture_points``).
+
+The file is written atomically (parity/atomic.py); past 2 GB of weights the initializers go to
+external data beside it (``OUT.data``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from . import __version__, atomic
+from .errors import ParityError
+
+DTYPES = ("float32", "float16")
+FORMAT = "parity-onnx"
+FORMAT_VERSION = 1
+MANIFEST_KEY = "parity.manifest"
+POINTS_KEY = "parity.capture_points"
+EXTERNAL_DATA_BYTES = 2 * 10**9 - 64 * 2**20  # protobuf's 2 GB limit, less room for the graph itself
+
+
+class _Exportable(torch.nn.Module):
+    """The executor as an nn.Module whose buffers are the neutral tensors, under their neutral names.
+
+    ``forward`` returns the final output followed by the capture points in ``points``.
+    """
+
+    def __init__(self, manifest: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype, points: list[str]):
+        super().__init__()
+        from .executor.model import NeutralModel
+
+        self.manifest, self.dtype, self.points = manifest, dtype, points
+        for name, x in NeutralModel(manifest, tensors, dtype).w.items():  # cast as the executor casts
+            *path, leaf = name.split(".")
+            module = self
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_buffer(leaf, x)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        from .executor.model import NeutralModel
+
+        weights = dict(self.named_buffers())
+        model = NeutralModel(self.manifest, weights, self.dtype)
+        seen: dict[str, torch.Tensor] = {}
+        out = model(input_ids, on_point=seen.__setitem__, token_types=token_type_ids)
+        return (out, *(seen[p] for p in self.points))
+
+
+def _length_dependent_rope(manifest: dict) -> str | None:
+    from .executor.rope import LENGTH_DEPENDENT
+
+    for layer in manifest["layers"]:
+        rope = layer["attention"]["rope"]
+        kind = ((rope or {}).get("scaling") or {}).get("rope_type")
+        if kind in LENGTH_DEPENDENT:
+            return kind
+    return None
+
+
+def onnx_metadata(manifest: dict, points: list[str], output: str) -> dict[str, str]:
+    """The metadata_props of an export: the manifest (without the neutral files it was run from)."""
+    kept = {k: v for k, v in manifest.items() if k not in ("files",)}
+    kept["written_by"] = f"parity {__version__}"
+    return {
+        "parity.format": FORMAT,
+        "parity.format_version": str(FORMAT_VERSION),
+        MANIFEST_KEY: json.dumps(kept, separators=(",", ":")),
+        POINTS_KEY: json.dumps(points),
+        "parity.output": output,
+    }
+
+
+def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bool = False, opset: int | None = None,
+           force: bool = False, adapter_dirs=()) -> dict:
+    """Export a checkpoint directory as ONNX at ``out``; returns a summary (manifest, outputs, files)."""
+    from .neutral import convert, load
+
+    dtype = dtype or "float32"
+    if dtype not in DTYPES:
+        raise ParityError(f"--dtype {dtype} is not available for --to onnx; use one of {', '.join(DTYPES)}")
+    if opset is not None and not 18 <= opset <= 23:
+        raise ParityError(f"--opset {opset}: torch.onnx exports opsets 18 to 23; choose one of those")
+    out = Path(out)
+    if out.suffix != ".onnx":
+        raise ParityError(f"-o {out}: an ONNX output must end in .onnx")
+    if importlib.util.find_spec("onnxscript") is None:  # torch.onnx's exporter needs it
+        raise ParityError("--to onnx needs the onnxscript package; pip install onnxscript")
+
+    with atomic.output_file(out, force=force) as tmp:
+        manifest = convert(path, tmp / "neutral", dtype=dtype, adapter_dirs=adapter_dirs)
+        kind = _length_dependent_rope(manifest)
+        if kind is not None:
+            raise ParityError(f"{path}: RoPE scaling {kind!r} depends on the prompt length, which an exported "
+                              f"graph cannot branch on; not exportable to ONNX yet")
+        manifest, tensors = load(tmp / "neutral")
+        torch_dtype = getattr(torch, dtype)
+        output = "logits" if manifest["head"] is not None else "last_hidden_state"
+        points = [p for p in manifest["capture_points"] if p != output] if debug_outputs else []
+        module = _Exportable(manifest, tensors, torch_dtype, points).eval()
+        del tensors
+        weights = {name for name, _ in module.named_buffers()}
+        program = _torch_export(module, manifest, points, output, opset)
+        _tidy(program, [output, *points], weights)
+        del module
+        for key, value in onnx_metadata(manifest, points, output).items():
+            program.model.metadata_props[key] = value
+        program.model.producer_name, program.model.producer_version = "parity", __version__
+        weight_bytes = sum(_nbytes(t) for t in manifest["tensors"].values())
+        external = weight_bytes > EXTERNAL_DATA_BYTES
+        program.save(tmp / out.name, external_data=external)
+        del program
+        _remove_tree(tmp / "neutral")
+        check_file(tmp / out.name)
+        files = sorted(p.name for p in tmp.iterdir())
+    return {"manifest": manifest, "outputs": [output, *points], "files": files, "external_data": external,
+            "dtype": dtype}
+
+
+def _nbytes(info: dict) -> int:
+    n = 1
+    for d in info["shape"]:
+        n *= d
+    return n * torch.empty(0, dtype=getattr(torch, info["dtype"])).element_size()
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _torch_export(module: _Exportable, manifest: dict, points: list[str], output: str, opset: int | None):
+    ids = torch.tensor([[3 + (7919 * k + 17) % max(manifest["vocab_size"] - 3, 1) for k in range(16)]] * 2)
+    args: tuple = (ids,)
+    names = ["input_ids"]
+    shapes: dict = {"input_ids": {0: "batch", 1: "sequence"}}
+    if manifest["embedding"]["token_types"]:
+        args += (torch.zeros_like(ids),)
+        names.append("token_type_ids")
+        shapes["token_type_ids"] = {0: "batch", 1: "sequence"}
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), torch.no_grad(), _no_stack_traces():
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(module, args, dynamo=True, input_names=names, output_names=[output, *points],
+                                     dynamic_shapes=shapes, opset_version=opset, optimize=False, verbose=False,
+                                     external_data=False)
+    except ParityError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the exporter raises many types; one line for the user
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+        first = text.splitlines()[0][:300] if text else type(exc).__name__
+        raise ParityError(f"torch.onnx could not export the {manifest['source']['family']} executor: {first}") from None
+    finally:
+        quiet.setLevel(level)
+
+
+def _tidy(program, outputs: list[str], weights: set[str]) -> None:
+    """Fold the small constants the exporter leaves (CastLike of scalars, shape arithmetic) without
+    touching a weight, so initializers keep their neutral names and no tensor is stored twice; give
+    every output its own value under its capture-point name (points that are the same tensor, such as
+    BERT's ``embed`` and ``layers.0.attn_in``, get an Identity each)."""
+    from onnx_ir.passes.common import OutputFixPass
+    from onnxscript.optimizer import optimize_ir
+
+    def should_fold(node) -> bool | None:
+        return False if any(v is not None and v.name in weights for v in node.inputs) else None
+
+    optimize_ir(program.model, should_fold=should_fold)
+    OutputFixPass()(program.model)
+    graph = program.model.graph
+    for k, value in enumerate(graph.outputs):  # two steps: a point's name may sit on another output now
+        value.name = f"parity_output_{k}"
+    for value, name in zip(graph.outputs, outputs):
+        value.name = name
+    if [v.name for v in graph.outputs] != outputs:
+        raise ParityError(f"the exported graph's outputs are {[v.name for v in graph.outputs]}, expected {outputs}")
+
+
+@contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """torch.fx records a Python stack trace per traced node, a third of the export's time; skip it."""
+    config = getattr(torch.fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):  # older torch
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
+def check_file(path: Path) -> None:
+    """onnx.checker's full check (by path: it reads external data itself)."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as exc:  # noqa: BLE001
+        raise ParityError(f"{path}: the exported graph fails onnx.checker ({str(exc).splitlines()[0]})") from None

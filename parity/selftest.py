@@ -1,0 +1,120 @@
+"""``parity selftest``: every applicable (family, bug) pair on tiny checkpoints, plus clean conversions.
+
+For each pair the bug is injected into the family's converted tiny checkpoint and checked layer by
+layer with calibrated tolerances; the matrix records whether parity caught it, where, what the
+diagnosis named, and whether the checks ports usually rely on — the final output compared with
+np.allclose(atol=1e-5), or the next token — would have caught it at all.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import bugs
+from .adapter import load_all
+from .errors import ParityError
+from .neutral import convert
+from .runner import check
+from .tiny import make_tiny
+
+
+@dataclass
+class Row:
+    family: str
+    bug: str                     # "clean" for an uninjected conversion
+    dtype: str
+    detected: bool
+    first_divergence: str | None
+    diagnosed: str | None
+    allclose_caught: bool        # np.allclose(final output, atol=1e-5) would have failed
+    top1_caught: bool            # the next token would have differed
+
+    @property
+    def diagnosis_right(self) -> bool:
+        return self.diagnosed == self.bug
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "diagnosis_right": self.diagnosis_right}
+
+
+def run(families: list[str] | None = None, dtype: str | None = None,
+        progress: Callable[[str], None] | None = None) -> list[Row]:
+    adapters = load_all()
+    chosen = families or list(adapters)
+    unknown = [f for f in chosen if f not in adapters]
+    if unknown:
+        raise ParityError(f"unknown famil{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}; "
+                          f"choose from {', '.join(adapters)}")
+    say = progress or (lambda message: None)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="parity-selftest-") as tmp:
+        built: dict[tuple[str, int | None], tuple[Path, Path]] = {}
+
+        def tiny(family: str, width: int | None) -> tuple[Path, Path]:
+            if (family, width) not in built:
+                src = make_tiny(adapters[family], Path(tmp) / f"{family}-{width}", width=width)
+                built[family, width] = src, convert(src, Path(tmp) / f"{family}-{width}.neutral") and \
+                    Path(tmp) / f"{family}-{width}.neutral"
+            return built[family, width]
+
+        for family in chosen:
+            src, neutral = tiny(family, None)
+            from .neutral import read_manifest
+
+            manifest = read_manifest(neutral)
+            cases = [(None, dtype or "float32", None)] + [
+                (b.id, dtype or b.dtype, b.width) for b in bugs.applicable(manifest)]
+            for bug_id, case_dtype, width in cases:
+                say(f"{family}: {bug_id or 'clean'}")
+                src, neutral = tiny(family, width)
+                report = check(src, neutral, dtype=case_dtype, layerwise=True, calibrate=True, inject=bug_id)
+                logits = report.logits or {}
+                first = report.first_divergence
+                rows.append(Row(
+                    family=family, bug=bug_id or "clean", dtype=case_dtype, detected=not report,
+                    first_divergence=first.name if first else None,
+                    diagnosed=report.diagnosis[0]["bug"] if report.diagnosis else None,
+                    allclose_caught=not logits.get("allclose_1e-5", True),
+                    top1_caught=not logits.get("next_token_agrees", True),
+                ))
+    return rows
+
+
+def totals(rows: list[Row]) -> dict:
+    injected = [r for r in rows if r.bug != "clean"]
+    clean = [r for r in rows if r.bug == "clean"]
+    detected = [r for r in injected if r.detected]
+    return {
+        "pairs": len(injected),
+        "detected": len(detected),
+        "detection_rate": len(detected) / len(injected) if injected else 1.0,
+        "diagnosed_right": sum(r.diagnosis_right for r in injected),
+        "diagnosis_accuracy": sum(r.diagnosis_right for r in injected) / len(injected) if injected else 1.0,
+        "diagnosed_unknown": sum(r.diagnosed == "unknown" for r in injected),
+        "diagnosed_wrong": sum(r.diagnosed not in (r.bug, "unknown") for r in injected),
+        "clean_conversions": len(clean),
+        "false_alarms": sum(r.detected for r in clean),
+        "allclose_would_catch": sum(r.allclose_caught for r in injected),
+        "top1_would_catch": sum(r.top1_caught for r in injected),
+    }
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| family | bug | dtype | detected | first divergence | diagnosis | allclose(1e-5) | top-1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    mark = {True: "yes", False: "no"}
+    for r in rows:
+        diag = "-" if r.diagnosed is None else (r.diagnosed + ("" if r.diagnosis_right or r.bug == "clean" else " ✗"))
+        lines.append(f"| {r.family} | {r.bug} | {r.dtype} | {mark[r.detected]} | {r.first_divergence or '-'} | "
+                     f"{diag} | {mark[r.allclose_caught]} | {mark[r.top1_caught]} |")
+    t = totals(rows)
+    lines.append("")
+    lines.append(f"{t['detected']}/{t['pairs']} pairs detected ({t['detection_rate']:.0%}); diagnosis right for "
+                 f"{t['diagnosed_right']}/{t['pairs']} ({t['diagnosis_accuracy']:.0%}), unknown for "
+                 f"{t['diagnosed_unknown']}, wrong for {t['diagnosed_wrong']}; {t['false_alarms']} false alarms on "
+                 f"{t['clean_conversions']} clean conversions. A final-output np.allclose(atol=1e-5) would have "
+                 f"caught {t['allclose_would_catch']}/{t['pairs']}, a next-token check {t['top1_would_catch']}/{t['pairs']}.")
+    return "\n".join(lines)
