@@ -119,7 +119,7 @@ def routed_experts(x: Tensor, weights: Tensor, index: Tensor, w: dict, act, expe
 
     Each chosen expert runs on the tokens that chose it. A graph being exported (torch.export, for
     ONNX) cannot branch on which experts were chosen: there every one of the ``experts`` runs on every
-    token and keeps its output where it was chosen, which gives the same numbers bit for bit.
+    token and keeps its output where it was chosen: the same sum, in the same order.
     """
     T, k = index.shape
     contrib = torch.zeros(T, k, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, k, H]
