@@ -164,9 +164,11 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
 @click.option("--debug-outputs", is_flag=True,
               help="onnx: add every capture point (embed, layers.0.attn_in, ...) as a graph output of that name.")
 @click.option("--opset", type=int, default=None, help="onnx: the ONNX opset (18-23; default: torch.onnx's).")
+@click.option("--inject", metavar="BUG", default=None,
+              help="onnx: write a deliberately broken export with a catalogued porting mistake (see `parity bugs`).")
 @click.option("--force", is_flag=True, help="Replace the output if it exists.")
 @adapters_option
-def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, force, adapter_dirs):
+def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, inject, force, adapter_dirs):
     """Rewrite a checkpoint into the neutral layout (manifest.json + model.safetensors), or export it to ONNX.
 
     The manifest states every convention as an explicit value (norm kind, eps, placement,
@@ -188,12 +190,13 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
         if rope_style:
             raise ParityError("--rope-style applies to --to neutral; an ONNX graph rotates as the checkpoint stores")
         done = export(model_dir, out, dtype=dtype, debug_outputs=debug_outputs, opset=opset, force=force,
-                      adapter_dirs=adapter_dirs)
+                      adapter_dirs=adapter_dirs, inject=inject)
         click.echo(f"wrote {out}: {done['dtype']}, {done['manifest']['source']['family']}, "
                    f"{len(done['outputs'])} output(s){', external data ' + out.name + '.data' if done['external_data'] else ''}")
         return
-    if debug_outputs or opset is not None:
-        raise ParityError("--debug-outputs and --opset apply to --to onnx")
+    if debug_outputs or opset is not None or inject:
+        raise ParityError("--debug-outputs, --opset and --inject apply to --to onnx (for a neutral candidate, "
+                          "inject at check time: parity check --inject BUG)")
     from .neutral import convert
 
     manifest = convert(model_dir, out, dtype=dtype, rope_style=rope_style, force=force, adapter_dirs=adapter_dirs)

@@ -96,8 +96,11 @@ def onnx_metadata(manifest: dict, points: list[str], output: str) -> dict[str, s
 
 
 def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bool = False, opset: int | None = None,
-           force: bool = False, adapter_dirs=()) -> dict:
-    """Export a checkpoint directory as ONNX at ``out``; returns a summary (manifest, outputs, files)."""
+           force: bool = False, adapter_dirs=(), inject: str | None = None) -> dict:
+    """Export a checkpoint directory as ONNX at ``out``; returns a summary (manifest, outputs, files).
+
+    ``inject`` writes a deliberately broken export (a catalogued porting mistake, see parity bugs), so
+    that an engine team can rehearse its gate."""
     from .neutral import convert, load
 
     dtype = dtype or "float32"
@@ -118,6 +121,10 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
             raise ParityError(f"{path}: RoPE scaling {kind!r} depends on the prompt length, which an exported "
                               f"graph cannot branch on; not exportable to ONNX yet")
         manifest, tensors = load(tmp / "neutral")
+        if inject:
+            from . import bugs
+
+            manifest, tensors = bugs.inject(inject, manifest, tensors, bugs.families())
         torch_dtype = getattr(torch, dtype)
         output = "logits" if manifest["head"] is not None else "last_hidden_state"
         points = [p for p in manifest["capture_points"] if p != output] if debug_outputs else []

@@ -134,3 +134,16 @@ def test_selftest_matrix_totals():
     assert {r.bug for r in rows} == {b.id for b in bugs.CATALOG} | {"clean"}
     low = [r for r in rows if r.bug == "norm-in-low-precision"]
     assert low and all(r.dtype == "bfloat16" and r.detected for r in low)
+
+
+def test_a_broken_onnx_export_is_caught_and_named(tiny_dir, tmp_path):
+    out = tmp_path / "broken.onnx"
+    result = CliRunner().invoke(cli, ["convert", str(tiny_dir("gemma")), "--to", "onnx", "-o", str(out),
+                                      "--debug-outputs", "--inject", "embed-scale-dropped"])
+    assert result.exit_code == 0, result.output
+    report = parity.check(tiny_dir("gemma"), out, layerwise=True, calibrate=True)
+    assert report.verdict == "fail" and report.first_divergence.name == "embed"
+    assert report.diagnosis[0]["bug"] == "embed-scale-dropped"
+    wrong = CliRunner().invoke(cli, ["convert", str(tiny_dir("llama")), "--to", "onnx", "-o", str(tmp_path / "x.onnx"),
+                                     "--inject", "embed-scale-dropped"])
+    assert wrong.exit_code == 2 and "does not apply" in wrong.stderr and not (tmp_path / "x.onnx").exists()
