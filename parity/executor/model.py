@@ -151,8 +151,8 @@ class NeutralModel:
         return torch.zeros(s, s).masked_fill(~allowed, float("-inf"))
 
     def attention(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor,
-                  shared: dict) -> torch.Tensor:
-        """Multi-head attention with GQA, QK/v-norms, RoPE, softcap and windows: [B, S, D] -> [B, S, D]."""
+                  shared: dict, i: int) -> torch.Tensor:
+        """Multi-head attention of layer i with GQA, QK/v-norms, RoPE, softcap and windows: [B, S, D] -> [B, S, D]."""
         b, s, _ = x.shape
         h, kvh, dh = att["heads"], att["kv_heads"], att["head_dim"]
         q = linear(x, w, "attn.q")                                                   # [B, S, H*Dh]
@@ -181,7 +181,7 @@ class NeutralModel:
             k, v = k.transpose(1, 2), v.transpose(1, 2)                              # [B, K, S, Dh]
             if cos_sin is not None:
                 k = rope_fn.apply(k, *cos_sin, att["rope"])
-        shared[self._layer_index] = (k, v)
+        shared[i] = (k, v)  # later layers may reuse this layer's keys and values
 
         k = k.repeat_interleave(h // kvh, dim=1)                                     # GQA: [B, H, S, Dh]
         v = v.repeat_interleave(h // kvh, dim=1)
@@ -229,12 +229,11 @@ class NeutralModel:
               per_layer: torch.Tensor | None, emit: OnPoint) -> torch.Tensor:
         spec, w = self.m["layers"][i], self.layer_weights(i)
         n, att = spec["norms"], spec["attention"]
-        self._layer_index = i
         p = f"layers.{i}."
 
         a_in = self._norm(x, n["attn_norm"], w, "attn_norm")
         emit(p + "attn_in", a_in)
-        a = self.mla(a_in, w, att, positions) if att["mla"] else self.attention(a_in, w, att, positions, shared)
+        a = self.mla(a_in, w, att, positions) if att["mla"] else self.attention(a_in, w, att, positions, shared, i)
         a = self._norm(a, n["attn_post_norm"], w, "attn_post_norm")
         emit(p + "attn_out", a)
         x = self._norm(x + a, n["attn_res_norm"], w, "attn_res_norm")
