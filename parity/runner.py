@@ -222,20 +222,24 @@ class Inputs:
     source: str
 
 
-def _thresholds(ckpt: Checkpoint) -> list[int]:
-    """Lengths past which position-dependent conventions start: sliding windows, RoPE scaling."""
+def _thresholds(ckpt: Checkpoint) -> dict[str, int]:
+    """Position-dependent conventions and the prompt length past which each acts: label -> length."""
     r = ckpt.resolved
-    out = [w for i in range(r.num_layers) if (w := r.layer("attention.sliding_window", i))]
-    if r["positions.kind"] == "rope":
-        out += [t for i in range(r.num_layers)
-                if (t := (r.layer("positions.rope_scaling", i) or {}).get("original_max_position_embeddings"))]
+    out: dict[str, int] = {}
+    for i in range(r.num_layers):
+        if window := r.layer("attention.sliding_window", i):
+            out[f"sliding window {window}"] = window
+        if r["positions.kind"] == "rope":
+            scaling = r.layer("positions.rope_scaling", i) or {}
+            if threshold := scaling.get("original_max_position_embeddings"):
+                out[f"rope {scaling.get('rope_type')} scaling threshold {threshold}"] = threshold
     return out
 
 
 def default_length(ckpt: Checkpoint) -> int:
     """Long enough to cross every sliding window and RoPE scaling threshold (by 16), at least 64."""
     r = ckpt.resolved
-    length = max([64] + [t + 16 for t in _thresholds(ckpt)])
+    length = max([64] + [t + 16 for t in _thresholds(ckpt).values()])
     limit = r["positions.max_positions"]
     return min(length, limit) if limit else length
 
@@ -308,24 +312,18 @@ def _golden(reference: Path, adapter_dirs):
 
 def exercised(ckpt: Checkpoint, n: int) -> tuple[dict, list[str]]:
     """Which position-dependent conventions a prompt of n tokens reaches, and warnings for the rest."""
-    r = ckpt.resolved
     seen: dict[str, bool] = {}
     warnings: list[str] = []
-    windows = sorted({w for i in range(r.num_layers) if (w := r.layer("attention.sliding_window", i))})
-    for w in windows:
-        seen[f"sliding window {w}"] = n > w
-        if n <= w:
-            warnings.append(f"the prompt ({n} tokens) is not longer than the sliding window ({w}): "
-                            f"window handling is not exercised; use --length {w + 16}")
-    for i in range(r.num_layers) if r["positions.kind"] == "rope" else []:
-        scaling = r.layer("positions.rope_scaling", i) or {}
-        threshold = scaling.get("original_max_position_embeddings")
-        key = f"rope {scaling.get('rope_type')} scaling threshold {threshold}"
-        if threshold and key not in seen:
-            seen[key] = n > threshold
-            if n <= threshold:
-                warnings.append(f"the prompt ({n} tokens) does not pass the RoPE scaling threshold ({threshold}): "
-                                f"long-context scaling is not exercised")
+    for label, length in _thresholds(ckpt).items():
+        seen[label] = n > length
+        if n > length:
+            continue
+        if label.startswith("sliding window"):
+            warnings.append(f"the prompt ({n} tokens) is not longer than the sliding window ({length}): "
+                            f"window handling is not exercised; use --length {length + 16}")
+        else:
+            warnings.append(f"the prompt ({n} tokens) does not pass the RoPE scaling threshold ({length}): "
+                            f"long-context scaling is not exercised")
     return seen, warnings
 
 
