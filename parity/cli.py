@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import click
@@ -29,12 +31,47 @@ class Failure(click.ClickException):
         click.echo(f"parity: error: {self.format_message()}", err=True)
 
 
+class Interrupted(click.ClickException):
+    """Ctrl-C or SIGTERM: outputs are atomic, so nothing is left half-written; exit code 130 (128 + SIGINT)."""
+
+    exit_code = 130
+
+    def show(self, file=None) -> None:
+        click.echo("parity: interrupted; nothing was written", err=True)
+
+
+def _debugging(ctx: click.Context) -> bool:
+    return bool(ctx.find_root().params.get("debug")) or os.environ.get("PARITY_DEBUG", "") not in ("", "0")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An unexpected error as one line: its type, its first line, and how to see more."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    if isinstance(exc, MemoryError) or "can't allocate memory" in text or type(exc).__name__ == "OutOfMemoryError":
+        return (f"out of memory ({type(exc).__name__}{': ' + text[:200] if text else ''}); use a shorter prompt "
+                f"(--length), fewer points (drop --layerwise/--calibrate) or a machine with more memory")
+    return (f"{type(exc).__name__}: {text[:300] or 'no message'} (parity could not reach a verdict; rerun with "
+            f"--debug or PARITY_DEBUG=1 for the traceback, and report it if the inputs are valid)")
+
+
 class Group(click.Group):
+    """Every error becomes one line and exit code 2 (no verdict): CI must never read a crash as "parity fails"."""
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # click's own: usage errors exit 2, --help/--version exit 0
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted") from None
         except ParityError as exc:
+            if _debugging(ctx):
+                traceback.print_exc()
             raise Failure(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - the exit-code contract covers every error
+            if _debugging(ctx):
+                traceback.print_exc()
+            raise Failure(_one_line(exc)) from None
 
 
 def adapters_option(fn):
@@ -62,7 +99,8 @@ def input_options(fn):
 
 @click.group(cls=Group, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="parity")
-def cli():
+@click.option("--debug", is_flag=True, help="Show the traceback of an error (also PARITY_DEBUG=1).")
+def cli(debug):
     """Port Hugging Face checkpoints and check, layer by layer, that the port computes the same function.
 
     \b
