@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from .errors import ParityError  # noqa: E402 - raised for every input that gets no verdict (exit code 2)
+
+__all__ = ["ParityError", "check"]
+
 
 def check(reference, candidate, **options):
     """Compare a candidate against a reference checkpoint; returns a Report (truthy when parity holds).

@@ -246,7 +246,8 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="Text to tokenize with the checkpoint's tokenizer.")
 @click.option("--ids", default=None, help="Comma-separated token ids, e.g. 1,2,3.")
-@click.option("--top", "top_k", default=5, show_default=True, help="How many next tokens to show.")
+@click.option("--top", "top_k", type=click.IntRange(min=1), default=5, show_default=True,
+              help="How many next tokens to show.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Run in this dtype (default: the stored one).")
 def run_cmd(path, prompt, ids, top_k, dtype):
@@ -317,11 +318,11 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
 @click.option("--isolate", is_flag=True, help="Feed each candidate layer the reference's input for that layer.")
 @click.option("--calibrate", is_flag=True, help="Set tolerances to a multiple of each point's own precision noise.")
 @click.option("--tolerance", multiple=True, metavar="SPEC",
-              help="'GLOB:rel_l2=1e-3[,cosine=0.999]' or a TOML file; repeatable, the last match wins.")
+              help="'GLOB:rel_l2=1e-3' or a TOML file ([default], [points.\"GLOB\"]); repeatable, the last match wins.")
 @click.option("--report", "report_paths", multiple=True, type=click.Path(path_type=Path),
               help="Write the report: .json, .md or .html (repeatable).")
 @click.option("--junit", type=click.Path(path_type=Path), default=None, help="Write JUnit XML, one case per point.")
-@click.option("--generate", type=int, default=0, metavar="N",
+@click.option("--generate", type=click.IntRange(min=0), default=0, metavar="N",
               help="Also greedy-decode N tokens with both and report the first position where they differ.")
 @click.option("--per-layer", is_flag=True, help="Show one row per layer instead of one per point.")
 @click.option("--inject", metavar="BUG", default=None,
@@ -364,11 +365,14 @@ def _console() -> Console:
 def _run_check(reference, candidate, *, per_layer, report_paths, junit, run, **kwargs):
     from . import render
 
+    outputs = [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]
+    for path, fmt in outputs:  # before any model is loaded: a check must not run for an hour and then fail to write
+        render.check_output(path, fmt)
     console = _console()
     with Console(stderr=True).status("checking") as status:
         report = run(reference, candidate, progress=lambda message: status.update(message), **kwargs)
     render.console(report, console, per_layer=per_layer)
-    for path, fmt in [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]:
+    for path, fmt in outputs:
         render.write(report, path, fmt)
         click.echo(f"wrote {path}", err=True)
     return report

@@ -50,14 +50,15 @@ def position_evidence(candidate: torch.Tensor, reference: torch.Tensor, toleranc
 
 def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[str, torch.Tensor],
              reference: dict[str, torch.Tensor], ids: torch.Tensor, dtype: torch.dtype,
-             families: dict[str, list[str]] | None = None) -> list[dict]:
-    """Diagnosis entries, most likely first: {"bug", "confidence", "evidence", "residual"}."""
+             families: dict[str, list[str]] | None = None, adapter_dirs=()) -> list[dict]:
+    """Diagnosis entries, most likely first: {"bug", "confidence", "evidence", "residual"}. ``adapter_dirs``: the
+    check's --adapters, so that a family they add is diagnosed too."""
     from .neutral import convert, load
 
     final = next((n for n in ("logits", "final_norm") if n in candidate), None)
     wanted = {point} | ({final} if final else set())
     with tempfile.TemporaryDirectory(prefix="parity-diagnose-") as tmp:
-        convert(reference_dir, Path(tmp) / "reference")
+        convert(reference_dir, Path(tmp) / "reference", adapter_dirs=adapter_dirs)
         manifest, tensors = load(Path(tmp) / "reference")
     baseline = _rel(candidate[point], reference[point])
     where = point.replace("layers.", "layer ").replace(".", " ")

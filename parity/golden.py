@@ -97,8 +97,12 @@ class Golden:
     def dtype(self) -> str:
         return self.description["dtype"]
 
-    def calibrated_for(self, dtype: str) -> bool:
-        return self.description["calibrated"] and self.dtype == dtype
+    def calibrated_for(self, dtype: str, isolated: bool = False) -> bool:
+        """Whether the golden holds each point's noise for ``dtype`` candidates (measured in isolation too, when
+        ``isolated``: an isolated check's noise is one layer's, not the accumulated noise of a free run)."""
+        if not (self.description["calibrated"] and self.dtype == dtype):
+            return False
+        return not isolated or all("noise_isolated" in info for run in self.runs for info in run["points"].values())
 
     def describe(self) -> dict:
         """The report's ``reference`` entry."""
@@ -116,9 +120,12 @@ class Golden:
 
         return run
 
-    def noise(self, k: int, name: str, dtype: str) -> float | None:
-        """Point ``name``'s calibrated noise in run k, when the golden was calibrated for ``dtype``."""
-        return self.runs[k]["points"][name].get("noise") if self.calibrated_for(dtype) else None
+    def noise(self, k: int, name: str, dtype: str, isolated: bool = False) -> float | None:
+        """Point ``name``'s calibrated noise in run k (measured in isolation when ``isolated``), when the golden was
+        calibrated for ``dtype``."""
+        if not self.calibrated_for(dtype, isolated):
+            return None
+        return self.runs[k]["points"][name].get("noise_isolated" if isolated else "noise")
 
     def rounding(self, k: int, name: str) -> float:
         """rel_l2 between point ``name`` as stored and as the reference computed it (0 in float32)."""
@@ -230,8 +237,16 @@ def _capture(models: runner.Models, ckpt: Checkpoint, ids: torch.Tensor, points:
     wanted = set(points)
     ref = runner.Stream(_selected(runner.hf_runner(models, ckpt, torch.float32, ids), wanted), "reference")
     other = torch.float64 if dtype == "float32" else runner.DTYPES[dtype]
-    noisy = (runner.Stream(_selected(runner.hf_runner(models, ckpt, other, ids), wanted), "reference (calibration)")
-             if calibrate else None)
+    noisy = (runner.Stream(_selected(runner.hf_runner(models, ckpt, other, ids, role="calibration"), wanted),
+                           "reference (calibration)") if calibrate else None)
+    # where the golden can feed isolated checks (it holds every layer's input), measure their noise too: the
+    # noisy reference's layers fed the float32 reference's inputs, as an isolated check will be
+    num_layers = ckpt.resolved.num_layers
+    input_of = {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(num_layers)}}
+    layer_inputs = runner.LayerInputs() if calibrate and set(input_of) <= wanted else None
+    isolated = (runner.Stream(_selected(runner.hf_runner(models, ckpt, other, ids, layer_inputs.feed,
+                                                         "calibration (isolated)"), wanted),
+                              "reference (isolated calibration)") if layer_inputs is not None else None)
     tolerances = Tolerances(dtype)
     tensors, info = {}, {}
     try:
@@ -239,6 +254,8 @@ def _capture(models: runner.Models, ckpt: Checkpoint, ids: torch.Tensor, points:
             x = ref.get(name)
             if x is None:
                 raise ParityError(f"{ckpt.path}: the reference never produced {name}; fix the adapter's capture map")
+            if layer_inputs is not None and name in input_of:
+                layer_inputs.put(input_of[name], x)
             kept = x.to(storage).contiguous()
             if torch.isfinite(x).all() and not torch.isfinite(kept).all():
                 raise ParityError(f"{name} exceeds {str(storage).removeprefix('torch.')}'s range (max |x| "
@@ -248,11 +265,15 @@ def _capture(models: runner.Models, ckpt: Checkpoint, ids: torch.Tensor, points:
                 noise = metrics(noisy.get(name), x)["rel_l2"]
                 tolerance = tolerances.for_point(name, noise, entry["storage_rel_l2"])
                 entry.update(noise=noise, tolerance=asdict(tolerance))
+            if isolated is not None:
+                entry["noise_isolated"] = metrics(isolated.get(name), x)["rel_l2"]
             tensors[name], info[name] = kept, entry
     finally:
-        ref.drain()
-        if noisy is not None:
-            noisy.drain()
+        if layer_inputs is not None:
+            layer_inputs.close()
+        for stream in (ref, noisy, isolated):
+            if stream is not None:
+                stream.drain()
     return tensors, info
 
 

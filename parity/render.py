@@ -97,28 +97,19 @@ def _noise_times(p: PointResult) -> str:
 
 
 def _why(p: PointResult, *, tol_word: str = "") -> str:
-    """Why a point failed: 'rel_l2 3.10e-01 > 1.00e-05 (3100x the noise)', then any cosine failure."""
+    """Why a point failed: 'rel_l2 3.10e-01 > 1.00e-05 (3100x the noise)', or the NaN/shape reason."""
     if p.nonfinite:
         return p.nonfinite
-    t = p.tolerance
-    reasons = []
-    if not p.rel_l2 <= t.rel_l2:
-        reasons.append(f"rel_l2 {_e(p.rel_l2)} > {tol_word}{_e(t.rel_l2)}{_noise_times(p)}")
-    if not p.cosine >= t.cosine:
-        reasons.append(f"cosine {_cos(p.cosine)} < {tol_word}{_cos(t.cosine)}")
-    return ", ".join(reasons) or "marked as failed"
+    if not p.rel_l2 <= p.tolerance.rel_l2:
+        return f"rel_l2 {_e(p.rel_l2)} > {tol_word}{_e(p.tolerance.rel_l2)}{_noise_times(p)}"
+    return "marked as failed"
 
 
 def _needed(p: PointResult) -> str:
-    """The smallest tolerance that would have passed the failing metrics ('' if none would)."""
-    if p.nonfinite:
+    """The smallest tolerance that would have passed the point ('' if none would)."""
+    if p.nonfinite or p.rel_l2 <= p.tolerance.rel_l2:
         return ""
-    t, parts = p.tolerance, []
-    if not p.rel_l2 <= t.rel_l2:
-        parts.append(f"rel_l2={_up(p.rel_l2)}")
-    if not p.cosine >= t.cosine:
-        parts.append(f"cosine={_cos(p.cosine)}")
-    return ", ".join(parts)
+    return f"rel_l2={_up(p.rel_l2)}"
 
 
 def verdict(report: Report) -> str:
@@ -409,8 +400,7 @@ def junit(report: Report) -> str:
         elif not p.passed:
             failure = ET.SubElement(case, "failure", message=_why(p, tol_word="tolerance "), type="ParityMismatch")
             failure.text = (f"rel_l2 {_e(p.rel_l2)} (tolerance {_e(p.tolerance.rel_l2)}, {p.tolerance.source}), "
-                            f"cosine {_cos(p.cosine)} (tolerance {_cos(p.tolerance.cosine)}), "
-                            f"max_abs {_e(p.max_abs)}, noise {_e(p.noise)}")
+                            f"cosine {_cos(p.cosine)}, max_abs {_e(p.max_abs)}, noise {_e(p.noise)}")
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
@@ -437,14 +427,28 @@ WRITERS = {
 }
 
 
+def check_output(path: Path, fmt: str | None = None) -> None:
+    """Refuse, before any model runs, a report path that could not be written: an unknown format, a directory,
+    or a place where no file can be created."""
+    path = Path(path)
+    if (fmt or path.suffix.lower()) not in WRITERS:
+        raise ParityError(f"{path}: unknown report format {path.suffix or '(no suffix)'!r}; "
+                          "use .json, .md, .html or .xml")
+    if path.is_dir():
+        raise ParityError(f"{path} is a directory; give a file name such as {path / 'parity.json'}")
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ParityError(f"{path}: cannot create a file there ({ancestor} is not a writable directory); "
+                          f"choose another path")
+
+
 def write(report: Report, path: Path, fmt: str | None = None) -> None:
     """Write the report in the format ``fmt`` or its suffix names, atomically (temporary sibling, then rename)."""
     path = Path(path)
-    writer = WRITERS.get(fmt or path.suffix.lower())
-    if writer is None:
-        raise ParityError(f"{path}: unknown report format {path.suffix or '(no suffix)'!r}; "
-                          "use .json, .md, .html or .xml")
-    text = writer(report)
+    check_output(path, fmt)
+    text = WRITERS[fmt or path.suffix.lower()](report)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -10,11 +10,10 @@ REPORT_VERSION = 1
 
 @dataclass
 class Tolerance:
-    """A point passes when rel_l2 <= rel_l2 and cosine >= cosine."""
+    """A point passes when its rel_l2 <= rel_l2 (cosine is information: parity.compare says why)."""
 
     rel_l2: float
-    cosine: float
-    source: str = "default"  # "default", "calibrated", or the --tolerance pattern that set it
+    source: str = "default"  # which step of parity.compare's precedence set it
 
 
 @dataclass
@@ -30,11 +29,12 @@ class PointResult:
     nonfinite: str | None = None         # "NaN in candidate", ... (fails the point)
     compared: bool = True                # False: the candidate did not provide this point
     reference_norm: float = 0.0
+    run: int = 0                         # which input (--inputs) this result comes from: each point keeps its worst
 
     @property
     def needed(self) -> dict:
         """The smallest tolerance that would have passed this point."""
-        return {"rel_l2": self.rel_l2, "cosine": self.cosine}
+        return {"rel_l2": self.rel_l2}
 
     @property
     def noise_ratio(self) -> float | None:
@@ -45,7 +45,7 @@ class PointResult:
             "name": self.name, "max_abs": self.max_abs, "mean_abs": self.mean_abs, "rel_l2": self.rel_l2,
             "cosine": self.cosine, "tolerance": asdict(self.tolerance), "passed": self.passed,
             "noise": self.noise, "noise_ratio": self.noise_ratio, "nonfinite": self.nonfinite,
-            "compared": self.compared, "needed": self.needed,
+            "compared": self.compared, "needed": self.needed, "run": self.run,
         }
         return out
 
@@ -67,6 +67,8 @@ class Report:
     # where a candidate's points were read from, for candidates that must find them (ONNX graphs):
     # {"points": {name: {"value", "how"}}, "unmatched": {name: why}}
     matching: dict | None = None
+    # --generate: greedy tokens of both models and the first position where they differ
+    generation: dict | None = None
 
     @property
     def failing(self) -> list[PointResult]:
@@ -104,11 +106,12 @@ class Report:
             "first_divergence": None if first is None else {
                 "point": first.name, "rel_l2": first.rel_l2, "cosine": first.cosine, "max_abs": first.max_abs,
                 "tolerance": asdict(first.tolerance), "noise": first.noise, "noise_ratio": first.noise_ratio,
-                "nonfinite": first.nonfinite,
+                "nonfinite": first.nonfinite, "run": first.run,
             },
             "diagnosis": self.diagnosis,
             "logits": self.logits,
             "inputs": self.inputs,
             "warnings": self.warnings,
             "matching": self.matching,
+            "generation": self.generation,
         }

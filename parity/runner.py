@@ -90,10 +90,23 @@ def _load_hf(ckpt: Checkpoint, dtype: torch.dtype):
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    cls = getattr(transformers, ckpt.variant.architectures[0])
+    architecture = ckpt.variant.architectures[0]
+    cls = getattr(transformers, architecture, None)
+    if cls is None:
+        raise ParityError(f"{ckpt.path}: transformers {transformers.__version__} has no {architecture}; upgrade "
+                          f"transformers or use a checkpoint of a family it supports")
     # grouped-matmul expert kernels have no float64 version; the plain loop computes the same thing
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    return cls.from_pretrained(ckpt.path, attn_implementation="eager", dtype=dtype, **extra).eval()
+    try:
+        return cls.from_pretrained(ckpt.path, attn_implementation="eager", dtype=dtype, **extra).eval()
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a damaged checkpoint
+        text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        if "allocate" in text:  # the CPU allocator's out-of-memory error: the CLI says so
+            raise
+        raise ParityError(f"{ckpt.path}: transformers could not load it as {architecture} ({type(exc).__name__}: "
+                          f"{text[:200]}); check that its config and weights belong together") from None
 
 
 def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
@@ -125,7 +138,8 @@ def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
 class Models:
     """Loaded models, reused across the prompts of one check."""
 
-    def __init__(self):
+    def __init__(self, adapter_dirs=()):
+        self.adapter_dirs = tuple(adapter_dirs)  # --adapters: every checkpoint of the check is read with them
         self.loaded: dict = {}
         self.options: dict = {}  # candidate options from check() (ONNX: provider, map, layerwise)
         self.notes: dict = {}    # what a candidate runner reports back: "matching", "warnings"
@@ -182,15 +196,17 @@ def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Te
     return run
 
 
-# Candidate kinds beyond the two built in: kind -> (detect(path) -> bool, make_runner). A module
+# Candidate kinds beyond the two built in: kind -> (detect(path) -> bool, make_runner, isolates). A module
 # listed in PLUGINS registers its kinds when imported (ONNX files, engine dumps).
-CANDIDATES: dict[str, tuple[Callable[[Path], bool], Callable]] = {}
+CANDIDATES: dict[str, tuple[Callable[[Path], bool], Callable, bool]] = {}
 PLUGINS: tuple[str, ...] = ("parity.dumps", "parity.onnx_candidate")
 
 
-def register_candidate(kind: str, detect: Callable[[Path], bool], make_runner: Callable) -> None:
-    """make_runner(models, path, dtype, ids, feed, ckpt) -> run(emit); feed is None unless isolating."""
-    CANDIDATES[kind] = (detect, make_runner)
+def register_candidate(kind: str, detect: Callable[[Path], bool], make_runner: Callable,
+                       isolates: bool = False) -> None:
+    """make_runner(models, path, dtype, ids, feed, ckpt) -> run(emit); feed is None unless isolating, which only
+    a kind registered with ``isolates`` can do (a dump or a graph cannot be fed the reference's layer inputs)."""
+    CANDIDATES[kind] = (detect, make_runner, isolates)
 
 
 def candidate_kind(path: Path) -> str:
@@ -199,7 +215,7 @@ def candidate_kind(path: Path) -> str:
     for module in PLUGINS:
         importlib.import_module(module)
     path = Path(path)
-    for kind, (detect, _) in CANDIDATES.items():
+    for kind, (detect, _, _) in CANDIDATES.items():
         if detect(path):
             return kind
     if (path / "manifest.json").exists():
@@ -256,16 +272,46 @@ def make_inputs(ckpt: Checkpoint, *, prompt: str | None = None, ids: list[int] |
     elif ids is not None:
         token_ids, source = list(ids), "ids"
     else:
-        n = length or default_length(ckpt)
-        if n < 1:
-            raise ParityError(f"--length must be at least 1 (got {n})")
+        n = default_length(ckpt) if length is None else length
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ParityError(f"--length must be at least 1 (got {n}); leave it out for the default prompt")
+        check_length(ckpt, n)
         # a deterministic spread of ids, away from the few special tokens at the start of most vocabularies
         token_ids = [3 + (7919 * k + 17) % max(vocab - 3, 1) for k in range(n)]
         source = f"deterministic prompt of {n} tokens"
-    bad = [i for i in token_ids if not 0 <= i < vocab]
+    bad = [i for i in token_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
     if not token_ids or bad:
-        raise ParityError(f"token ids must be in [0, {vocab}); got {bad[:5] or 'none'}")
+        raise ParityError(f"token ids must be integers in [0, {vocab}); got {bad[:5] or 'none'}")
+    check_length(ckpt, len(token_ids))
     return Inputs(torch.tensor([token_ids]), source)
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (MemAvailable), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_length(ckpt: Checkpoint, n: int) -> None:
+    """Refuse a prompt the model cannot take (past its positions) or this machine cannot hold: eager attention
+    materialises [heads, n, n] scores, and a check runs it in float32 (float64 to calibrate)."""
+    r = ckpt.resolved
+    limit = r["positions.max_positions"]
+    if limit and n > limit and r["positions.kind"] != "rope":  # a learned position table has no row past its end
+        raise ParityError(f"a prompt of {n} tokens exceeds the model's {limit} learned positions "
+                          f"(max_position_embeddings); use --length {limit} or less")
+    heads = max(r.layer("attention.heads", i) for i in range(r.num_layers)) if r.num_layers else 1
+    need = heads * n * n * 8 * 2  # scores and their softmax, in float64 when calibrating
+    available = _available_memory()
+    if available is not None and need > available:
+        raise ParityError(f"a prompt of {n} tokens needs about {need / 2**30:.0f} GiB for eager attention's "
+                          f"[{heads}, {n}, {n}] scores and this machine has {available / 2**30:.0f} GiB available; "
+                          f"use a shorter --length")
 
 
 def _tokenize(ckpt: Checkpoint, prompt: str) -> list[int]:
@@ -331,11 +377,17 @@ def exercised(ckpt: Checkpoint, n: int) -> tuple[dict, list[str]]:
 # The check
 
 
-def _forward_names(ckpt: Checkpoint, layerwise: bool) -> list[str]:
+def _forward_names(ckpt: Checkpoint, layerwise: bool, isolate: bool = False) -> list[str]:
+    """The points a check compares: every one (--layerwise), else the final output; an isolated check also
+    compares what each layer hands on (embed, layers.{i}.out), since fed the reference's inputs, a layer whose
+    own output is not compared would not be tested at all."""
     points = [c.name for c in ckpt.resolved.capture]
+    final = "logits" if "logits" in points else ("final_norm" if "final_norm" in points else points[-1])
     if layerwise:
         return points
-    final = "logits" if "logits" in points else ("final_norm" if "final_norm" in points else points[-1])
+    if isolate:
+        stream = {"embed", final, *(f"layers.{i}.out" for i in range(ckpt.resolved.num_layers))}
+        return [p for p in points if p in stream]
     return [final]
 
 
@@ -351,16 +403,25 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     ``diagnose`` names the likely mistake when parity fails. ``reference`` may be a golden (parity.golden):
     its stored activations replace the transformers run, and ``checkpoint`` must match its sha256s.
     ``provider`` (an onnxruntime execution provider) and ``maps`` ("POINT=VALUE": the graph value a
-    capture point is read from) apply to ONNX candidates.
+    capture point is read from) apply to ONNX candidates. With several inputs (``inputs_file``), each
+    point keeps its worst result and the diagnosis looks at the input where the first divergence was seen.
     """
+    from . import bugs
+
+    # everything that can be refused is refused before a model is loaded
     if dtype not in DTYPES:
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if isinstance(generate, bool) or not isinstance(generate, int) or generate < 0:
+        raise ParityError(f"--generate must be a number of tokens >= 0 (got {generate!r})")
+    tolerances = Tolerances(dtype, list(tolerance))
+    if inject:
+        bugs.get(inject)
     golden = _golden(Path(reference), adapter_dirs)
     if golden is not None:
         golden.check_options(dtype=dtype, calibrate=calibrate, isolate=isolate, generate=generate)
         if checkpoint is not None:
             golden.match(Path(checkpoint), adapter_dirs)
-        ckpt, calibrate = golden.checkpoint, golden.calibrated_for(dtype)
+        ckpt, calibrate = golden.checkpoint, golden.calibrated_for(dtype, isolated=isolate)
         all_inputs = golden.inputs(prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
     else:
         if checkpoint is not None:
@@ -372,49 +433,77 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     kind = candidate_kind(Path(candidate))
     if inject and kind != "neutral":
         raise ParityError(f"--inject needs a neutral candidate (the executor runs the mistake); {candidate} is {kind}")
-    tolerances = Tolerances(dtype, list(tolerance))
+    if isolate and kind in CANDIDATES and not CANDIDATES[kind][2]:
+        raise ParityError(f"--isolate: a {kind} candidate ({candidate}) cannot be fed the reference's layer inputs; "
+                          f"drop --isolate")
+    if golden is None:
+        _refuse_mismatched(ckpt, "--reference")
+    if kind == "transformers":  # a candidate of an unknown family, or with wrong tensors, is refused now, not later
+        _refuse_mismatched(open_checkpoint(Path(candidate), adapter_dirs), "--candidate")
     report = Report(family=ckpt.resolved.family,
                     reference=golden.describe() if golden else {"kind": "transformers", "path": str(reference)},
                     candidate={"kind": kind, "path": str(candidate)}, dtype=dtype,
                     mode="isolated" if isolate else "free", layerwise=layerwise, calibrated=calibrate)
     runs = []
-    models = Models()
+    models = Models(adapter_dirs)
     models.options = _candidate_options(kind, provider, maps, layerwise)
-    kept: dict[str, dict] = {}
+    kept_by_run: dict[int, dict] = {}  # the tensors a diagnosis needs, for each input that failed
     for k, inputs in enumerate(all_inputs):
         seen, warnings = exercised(ckpt, inputs.ids.shape[1])
-        runs.append({"source": inputs.source, "ids": inputs.ids[0].tolist(), "exercised": seen})
         report.warnings += [w for w in warnings if w not in report.warnings]
+        kept: dict = {"ids": inputs.ids}
         results, logits = _check_once(models, ckpt, Path(candidate), kind, inputs.ids, dtype, layerwise, isolate,
-                                      calibrate, tolerances, progress, inject, kept if not kept else None, golden, k)
-        if "ids" not in kept:
-            kept["ids"] = inputs.ids
+                                      calibrate, tolerances, progress, inject, kept, golden, k)
+        failing = [p for p in results if p.compared and not p.passed]
+        for p in results:
+            p.run = k
+        runs.append({"source": inputs.source, "ids": inputs.ids[0].tolist(), "exercised": seen,
+                     "verdict": "fail" if failing or not any(p.compared for p in results) else "pass",
+                     "first_divergence": failing[0].name if failing else None})
+        if failing:
+            kept_by_run[k] = kept
         _merge(report, results, logits)
     report.inputs = {"runs": runs}
     report.matching = models.notes.get("matching")
     report.warnings += [w for w in models.notes.get("warnings", []) if w not in report.warnings]
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
     source = Path(reference) if golden is None else checkpoint and Path(checkpoint)
+    first = report.first_divergence
+    kept = kept_by_run.get(first.run, {}) if first is not None else {}
     if diagnose and not source and not report:
         report.warnings.append("no diagnosis: naming the likely mistake needs the weights; pass --checkpoint DIR")
-    if diagnose and source and not report and report.first_divergence.name in kept.get("candidate", {}):
+    if diagnose and source and first is not None and first.name in kept.get("candidate", {}):
         from .diagnose import diagnose as name_the_bug
 
         if progress:
             progress("diagnosing")
-        first = report.first_divergence
         report.diagnosis = name_the_bug(source, first.name, first.tolerance.rel_l2, kept["candidate"],
-                                        kept["reference"], kept["ids"], DTYPES[dtype])
+                                        kept["reference"], kept["ids"], DTYPES[dtype], adapter_dirs=adapter_dirs)
     if generate:
-        if report.logits is None:
+        if report.logits is None and "logits" not in {p.name for p in report.points}:
             raise ParityError("--generate needs a model with an LM head")
-        first = all_inputs[0].ids
-        report.logits["generate"] = _compare_generation(models, ckpt, Path(candidate), kind, first, DTYPES[dtype],
-                                                        generate)
-        if report.logits["generate"]["first_difference"] is not None:
-            report.warnings.append(f"greedy generation differs from token {report.logits['generate']['first_difference']}"
-                                   f" of {generate}")
+        gen = _compare_generation(models, ckpt, Path(candidate), kind, all_inputs[0].ids, DTYPES[dtype], generate,
+                                  inject)
+        report.generation = gen
+        if report.logits is not None:
+            report.logits["generate"] = gen
+        if gen["first_difference"] is not None:
+            report.warnings.append(f"greedy generation differs from token {gen['first_difference']} of {generate}")
     return report
+
+
+def _refuse_mismatched(ckpt: Checkpoint, role: str) -> None:
+    """A checkpoint whose tensors are missing or misshapen for its config: transformers would crash on it, or
+    initialise the missing weights at random and give a verdict about noise."""
+    from .checkpoint import check_tensors
+
+    found = check_tensors(ckpt.resolved, ckpt.tensors)
+    if found.missing or found.wrong_shape:
+        problems = "; ".join(f"{label} ({len(items)}): {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
+                             for label, items in (("missing", found.missing), ("wrong shape", found.wrong_shape))
+                             if items)
+        raise ParityError(f"{role} {ckpt.path}: tensors do not match its config ({ckpt.resolved.family}): {problems}; "
+                          f"check that config.json belongs to these weights")
 
 
 def _candidate_options(kind: str, provider: str | None, maps, layerwise: bool) -> dict:
@@ -433,8 +522,9 @@ def _candidate_options(kind: str, provider: str | None, maps, layerwise: bool) -
 
 
 def _compare_generation(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor,
-                        dtype: torch.dtype, n: int) -> dict:
-    """Greedy-decode n tokens with both models (no cache: each step re-runs the whole sequence)."""
+                        dtype: torch.dtype, n: int, inject: str | None = None) -> dict:
+    """Greedy-decode n tokens with both models (no cache: each step re-runs the whole sequence). The candidate
+    is the one the check compared, injected mistake included."""
     def greedy(step: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
         seq = ids
         for _ in range(n):
@@ -442,16 +532,17 @@ def _compare_generation(models: Models, ckpt: Checkpoint, candidate: Path, kind:
             seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
         return seq[0, ids.shape[1]:].tolist()
 
+    check_length(ckpt, ids.shape[1] + n)
     reference_model = models.hf(ckpt, torch.float32)
     with torch.no_grad():
         reference = greedy(lambda seq: reference_model(input_ids=seq).logits)
         if kind == "neutral":
-            cand_model = models.neutral(candidate, dtype)
+            cand_model = models.neutral(candidate, dtype, inject)
             produced = greedy(lambda seq: cand_model(seq))
         elif kind in CANDIDATES:  # a plugin kind: its run's logits point
             produced = greedy(lambda seq: _plugin_logits(models, ckpt, candidate, kind, seq, dtype))
         else:
-            hf = models.hf(open_checkpoint(candidate), dtype, "candidate")
+            hf = models.hf(open_checkpoint(candidate, models.adapter_dirs), dtype, "candidate")
             produced = greedy(lambda seq: hf(input_ids=seq).logits)
     first = next((k for k, (a, b) in enumerate(zip(reference, produced)) if a != b), None)
     return {"tokens": n, "reference": reference, "candidate": produced, "first_difference": first}
@@ -466,19 +557,62 @@ def _plugin_logits(models: Models, ckpt: Checkpoint, candidate: Path, kind: str,
     return got["logits"]
 
 
+def _severity(p: PointResult) -> tuple[int, float]:
+    """How bad a point's result is: failing beats passing beats not compared; then rel_l2 / tolerance."""
+    if not p.compared:
+        return (0, 0.0)
+    ratio = p.rel_l2 / p.tolerance.rel_l2 if p.tolerance.rel_l2 > 0 else float("inf")
+    if p.nonfinite or ratio != ratio:  # NaN, Inf, shape: as bad as it gets
+        ratio = float("inf")
+    return (1 if p.passed else 2, ratio)
+
+
+# several inputs: the worst of each logit metric
+_WORST_LOGITS = {"kl_mean": max, "kl_max": max, "max_logit_diff": max, "top1_agreement": min, "top5_overlap": min,
+                 "allclose_1e-5": min, "next_token_agrees": min, "positions": lambda a, b: a + b}
+
+
 def _merge(report: Report, results: list[PointResult], logits: dict | None) -> None:
-    """Several prompts: keep each point's worst result."""
+    """Several inputs: each point keeps its worst result (a failure is never replaced by a pass)."""
     if not report.points:
         report.points, report.logits = results, logits
         return
     worst = {p.name: p for p in report.points}
     for p in results:
-        if p.name not in worst or (not p.passed and worst[p.name].passed) or p.rel_l2 > worst[p.name].rel_l2:
+        if p.name not in worst or _severity(p) > _severity(worst[p.name]):
             worst[p.name] = p
-    report.points = [worst[p.name] for p in report.points]
+    report.points = sorted(worst.values(), key=lambda p: names.point_order(p.name))
     if logits and report.logits:
-        report.logits = {k: (max if k in ("kl_mean", "kl_max", "max_logit_diff") else min)(report.logits[k], logits[k])
-                         for k in logits}
+        report.logits = {k: _WORST_LOGITS[k](report.logits[k], logits[k]) if k in _WORST_LOGITS else report.logits[k]
+                         for k in report.logits}
+    elif logits or report.logits:  # one input's logits could not be compared: no summary stands for all
+        report.logits = None
+
+
+class LayerInputs:
+    """The reference's input to each layer, handed from the comparing thread to an isolated calibration run in
+    its own thread (which waits for each one). ``close`` releases a waiting run when the check stops early."""
+
+    def __init__(self):
+        self.values: dict[int, torch.Tensor] = {}
+        self.closed = False
+        self.ready = threading.Condition()
+
+    def put(self, i: int, x: torch.Tensor) -> None:
+        with self.ready:
+            self.values[i] = x
+            self.ready.notify_all()
+
+    def close(self) -> None:
+        with self.ready:
+            self.closed = True
+            self.ready.notify_all()
+
+    def feed(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        with self.ready:
+            self.ready.wait_for(lambda: i in self.values or self.closed)
+            ref = self.values.pop(i, None)
+        return x if ref is None else ref.to(x.dtype)
 
 
 def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor, dtype: str, layerwise: bool,
@@ -489,9 +623,14 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     the final output, for the diagnosis. With a ``golden``, its run ``run_index`` is the reference."""
     say = progress or (lambda message: None)
     low = DTYPES[dtype]
-    wanted = _forward_names(ckpt, layerwise)
+    wanted = _forward_names(ckpt, layerwise, isolate)
+    # the reference's input to layer i is its `embed` (i = 0) or `layers.{i-1}.out`
+    input_of = {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(ckpt.resolved.num_layers)}}
+    noise_inputs = LayerInputs() if isolate else None
     # the reference at float32 is the truth; calibration adds the reference at the candidate's dtype
-    # (or float64 for a float32 check): their distance is each point's own precision noise
+    # (or float64 for a float32 check): their distance is each point's own precision noise. An isolated
+    # check calibrates in isolation too: the noisy reference's layers are fed the float32 reference's inputs,
+    # so each point's noise is one layer's, not the noise accumulated over the layers before it.
     if golden is not None:  # stored activations (and noise), in place of transformers
         wanted = [n for n in wanted if n in golden.points]
         streams = {"reference": Stream(golden.runner(run_index), "golden")}
@@ -501,14 +640,14 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     if calibrate and golden is None:
         other = torch.float64 if low == torch.float32 else low
         say(f"loading the reference at {str(other).removeprefix('torch.')} for calibration")
-        streams["noise"] = Stream(hf_runner(models, ckpt, other, ids), "reference (calibration)")
+        feed_noise = noise_inputs.feed if noise_inputs is not None else None
+        streams["noise"] = Stream(hf_runner(models, ckpt, other, ids, feed_noise, "calibration"),
+                                  "reference (calibration)")
 
     last_reference_out: dict[int, torch.Tensor] = {}
     results: list[PointResult] = []
     logits: dict | None = None
     wanted_set = set(wanted)
-    # the reference's input to layer i is its `embed` (i = 0) or `layers.{i-1}.out`
-    input_of = {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(ckpt.resolved.num_layers)}}
 
     def feed(i: int, x: torch.Tensor) -> torch.Tensor:
         ref = last_reference_out.get(i)
@@ -524,12 +663,13 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
             return
         if isolate and name in input_of:
             last_reference_out[input_of[name]] = ref
+            noise_inputs.put(input_of[name], ref)
         if name not in wanted_set:
             return
         if golden is None:
             noise, rounding = (metrics(noisy, ref)["rel_l2"] if noisy is not None else None), 0.0
         else:
-            noise, rounding = golden.noise(run_index, name, dtype), golden.rounding(run_index, name)
+            noise, rounding = golden.noise(run_index, name, dtype, isolated=isolate), golden.rounding(run_index, name)
         # a golden's storage rounding is part of this comparison's noise
         result = judge(name, metrics(got, ref), tolerances.for_point(name, noise, rounding),
                        noise if noise is None else max(noise, rounding))
@@ -550,9 +690,12 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
         elif kind == "neutral":
             run = neutral_runner(models, candidate, low, ids, feed if isolate else None, inject)
         else:
-            run = hf_runner(models, open_checkpoint(candidate), low, ids, feed if isolate else None, "candidate")
+            run = hf_runner(models, open_checkpoint(candidate, models.adapter_dirs), low, ids,
+                            feed if isolate else None, "candidate")
         run(on_point)
     finally:
+        if noise_inputs is not None:
+            noise_inputs.close()
         for s in streams.values():
             s.drain()
     produced = {p.name for p in results}
@@ -563,4 +706,3 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
                                        compared=False))
     results.sort(key=lambda p: names.point_order(p.name))
     return results, logits
-

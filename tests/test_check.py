@@ -116,16 +116,39 @@ def test_final_only_check_compares_the_logits(tiny_dir, converted):
     assert [p.name for p in report.points] == ["logits"] and report.verdict == "pass"
 
 
-def test_tolerance_overrides_and_default_prompt_crosses_windows(tiny_dir, converted, tmp_path):
+def test_tolerance_precedence(tmp_path):
+    """dtype default < TOML [default] < calibration < TOML [points] < --tolerance globs < floors."""
+    from parity.compare import Tolerances
+
     toml = tmp_path / "tol.toml"
-    toml.write_text('[default]\nrel_l2 = 1e-3\n[points."layers.*.attn_out"]\nrel_l2 = 0.0\ncosine = 1.5\n')
-    report = parity.check(tiny_dir("gemma2"), converted("gemma2"), layerwise=True, tolerance=[str(toml)])
-    attn = [p for p in report.points if p.name.endswith("attn_out")]
-    assert attn and all(not p.passed for p in attn)  # cosine can never reach 1.5
-    assert report.first_divergence.name == "layers.0.attn_out"
-    glob = parity.check(tiny_dir("gemma2"), converted("gemma2"), layerwise=True,
-                        tolerance=["layers.1.*:rel_l2=0,cosine=2"])
-    assert glob.first_divergence.name == "layers.1.attn_in"
+    toml.write_text('[default]\nrel_l2 = 1e-3\n[points."layers.*.attn_out"]\nrel_l2 = 2e-3\n')
+    t = Tolerances("float32", [str(toml), "layers.1.*:rel_l2=5e-3"])
+    assert Tolerances("float32").for_point("embed").rel_l2 == 1e-4                  # the dtype default
+    assert t.for_point("embed").rel_l2 == 1e-3                                     # [default] replaces it
+    assert t.for_point("embed", noise=1e-7).rel_l2 == 1e-6                         # calibration beats [default]
+    assert "calibrated" in t.for_point("embed", noise=1e-7).source
+    assert t.for_point("layers.0.attn_out", noise=1e-7).rel_l2 == 2e-3             # a named point beats calibration
+    assert t.for_point("layers.1.attn_out", noise=1e-7).rel_l2 == 5e-3             # the command line beats the file
+    low = Tolerances("float32", ["embed:rel_l2=0"])
+    floored = low.for_point("embed", noise=3e-6)
+    assert floored.rel_l2 == 3e-6 and "measured noise" in floored.source           # never below the noise
+    assert low.for_point("embed", rounding=1e-4).rel_l2 == pytest.approx(3e-4)     # nor a golden's rounding
+    for bad in ("embed:cosine=0.99", "embed:rel_l2=-1", "embed:rel_l2=nan", "embed:rel_l2=x", "embed"):
+        with pytest.raises(parity.ParityError):
+            Tolerances("float32", [bad])
+
+
+def test_calibration_survives_a_toml_default_and_the_default_prompt_crosses_windows(tiny_dir, converted, tmp_path):
+    toml = tmp_path / "tol.toml"
+    toml.write_text('[default]\nrel_l2 = 1e-3\n[points."layers.*.attn_out"]\nrel_l2 = 0.5\n')
+    report = parity.check(tiny_dir("gemma2"), converted("gemma2"), layerwise=True, calibrate=True,
+                          tolerance=[str(toml)])
+    assert report.verdict == "pass"
+    for p in report.points:
+        if p.name.endswith("attn_out"):
+            assert p.tolerance.rel_l2 == 0.5 and p.tolerance.source.endswith("layers.*.attn_out")
+        else:
+            assert p.tolerance.source.startswith("calibrated") and p.tolerance.rel_l2 < 1e-3
     (run,) = report.inputs["runs"]
     assert len(run["ids"]) > 8 and run["exercised"] == {"sliding window 8": True}
     short = parity.check(tiny_dir("gemma2"), converted("gemma2"), length=6)
