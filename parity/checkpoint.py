@@ -7,15 +7,36 @@ weights (``*.bin``, ``*.pt``) are refused, never unpickled.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from safetensors import safe_open
-
 from .adapter import Adapter, Resolved, Variant, ignored, load_all, recognise, resolve, text_config
 from .errors import ParityError
+from .shards import read_header
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+# Well-known config keys and what they must hold (null is allowed: adapters give it a meaning). A wrong
+# type here would otherwise surface deep inside an adapter expression, or not at all.
+POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                 "head_dim", "intermediate_size", "max_position_embeddings", "n_embd", "n_head", "n_layer",
+                 "n_positions", "n_ctx", "n_inner", "moe_intermediate_size", "n_routed_experts", "num_experts",
+                 "num_local_experts", "num_experts_per_tok", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+                 "v_head_dim", "global_head_dim", "num_global_key_value_heads", "n_group", "topk_group",
+                 "top_k_experts", "original_max_position_embeddings")
+COUNTS = ("qk_nope_head_dim", "n_shared_experts", "first_k_dense_replace", "num_kv_shared_layers",
+          "hidden_size_per_layer_input", "vocab_size_per_layer_input", "type_vocab_size", "sliding_window")
+NON_NEGATIVE_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "attn_logit_softcapping",
+                        "final_logit_softcapping", "routed_scaling_factor")
+POSITIVE_NUMBERS = ("rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "partial_rotary_factor",
+                    "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor")
+STRINGS = ("model_type", "rope_type", "type")
+ROPE_TABLES = ("rope_scaling", "rope_parameters")
+TABLES = (*ROPE_TABLES, "text_config")
+LAYER_COUNTS = ("num_hidden_layers", "n_layer")
+MAX_LAYERS = 10_000  # far above any real model; a larger count is damage (and would take hours to resolve)
 
 
 def read_config(path: Path) -> tuple[dict, Path]:
@@ -26,29 +47,113 @@ def read_config(path: Path) -> tuple[dict, Path]:
         if path.is_dir():
             raise ParityError(f"{path}: no config.json; give a Hugging Face checkpoint directory or a config.json")
         raise ParityError(f"{path}: no such file or directory")
+    if not cfg_path.is_file():
+        raise ParityError(f"{cfg_path}: not a file; give the checkpoint's config.json")
     try:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ParityError(f"{cfg_path}: not valid JSON ({exc}); give the checkpoint's config.json") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ParityError(f"{cfg_path}: not valid JSON ({str(exc)[:160]}); give the checkpoint's config.json") from None
+    except OSError as exc:
+        raise ParityError(f"{cfg_path}: cannot be read ({exc.strerror or exc})") from None
     if not isinstance(config, dict):
         raise ParityError(f"{cfg_path}: expected a JSON object, found {type(config).__name__}")
+    check_config(config, cfg_path)
     return config, cfg_path
+
+
+def check_config(config: dict, cfg_path: Path, prefix: str = "") -> None:
+    """Refuse well-known keys holding the wrong type, a non-positive size or a non-finite number."""
+    def refuse(key: str, want: str) -> ParityError:
+        return ParityError(f"{cfg_path}: {prefix}{key} must be {want} (got {json.dumps(config[key])[:60]}); "
+                           f"fix the config")
+
+    def integer(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def number(x) -> bool:
+        return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+    for key, value in config.items():
+        if value is None:
+            continue
+        if key in POSITIVE_INTS and not (integer(value) and value > 0):
+            raise refuse(key, "a positive integer")
+        if key in COUNTS and not (integer(value) and value >= 0):
+            raise refuse(key, "a non-negative integer")
+        if key in LAYER_COUNTS and value > MAX_LAYERS:
+            raise refuse(key, f"at most {MAX_LAYERS:,}")
+        if key in NON_NEGATIVE_NUMBERS and not (number(value) and value >= 0):
+            raise refuse(key, "a non-negative number")
+        if key in POSITIVE_NUMBERS and not (number(value) and value > 0):
+            raise refuse(key, "a positive number")
+        if key in TABLES and not isinstance(value, dict):
+            raise refuse(key, "a JSON object")
+        if key == "architectures" and not (isinstance(value, list) and all(isinstance(a, str) for a in value)):
+            raise refuse(key, "a list of class names")
+        if key in STRINGS and not isinstance(value, str):
+            raise refuse(key, "a string")
+        if key == "text_config":
+            check_config(value, cfg_path, f"{prefix}text_config.")
+        if key in ROPE_TABLES:  # its parameters, or one table of them per layer type (Gemma 3/4)
+            check_config(value, cfg_path, f"{prefix}{key}.")
+            for kind, table in value.items():
+                if isinstance(table, dict):
+                    check_config(table, cfg_path, f"{prefix}{key}.{kind}.")
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def read_index(directory: Path) -> dict[str, str] | None:
+    """The weight map (tensor -> shard file name) of a sharded checkpoint, checked; None when unsharded."""
+    index = Path(directory) / INDEX
+    if not index.exists():
+        return None
+    fix = "fix it or save the checkpoint again with save_pretrained"
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ParityError(f"{index}: not valid JSON ({str(exc)[:160]}); {fix}") from None
+    except OSError as exc:
+        raise ParityError(f"{index}: cannot be read ({exc.strerror or exc}); {fix}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map \
+            or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ParityError(f"{index}: not a safetensors index (expected {{\"weight_map\": {{tensor: shard file}}}}); "
+                          f"{fix}")
+    # a shard is a file beside the index: a path (absolute, or through ..) would read outside the checkpoint
+    odd = sorted({s for s in weight_map.values() if not plain_file_name(s)})
+    if odd:
+        raise ParityError(f"{index}: shard names must be file names in the checkpoint directory, not paths: "
+                          f"{', '.join(map(repr, odd[:3]))}; {fix}")
+    return weight_map
+
+
+def plain_file_name(name: str) -> bool:
+    """A bare file name: no directory part, no parent reference, nothing absolute."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+def inside(path: Path, directory: Path) -> bool:
+    """Whether ``path``, symlinks followed, lies within ``directory`` (a symlink loop counts as outside)."""
+    try:
+        return Path(path).resolve().is_relative_to(Path(directory).resolve())
+    except (OSError, RuntimeError):
+        return False
 
 
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a checkpoint directory ([] when it has no weights at all)."""
     directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ParityError(f"{index}: not a valid safetensors index ({exc})") from None
-        missing = [s for s in shards if not (directory / s).exists()]
+    weight_map = read_index(directory)
+    if weight_map is not None:
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (directory / s).is_file()]
         if missing:
-            raise ParityError(f"{index}: names shard(s) that are not there: {', '.join(missing)}")
+            raise ParityError(f"{directory / INDEX}: names shard(s) that are not there: {', '.join(missing)}; "
+                              f"copy them beside it")
         return [directory / s for s in shards]
-    files = sorted(directory.glob("*.safetensors"))
+    files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
     if files:
         return files
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -69,17 +174,25 @@ class TensorInfo:
 
 
 def inventory(files: list[Path]) -> dict[str, TensorInfo]:
-    """Name -> shape/dtype/file for every tensor, read from the headers only."""
+    """Name -> shape/dtype/file for every tensor, read from the (checked) headers only."""
     out: dict[str, TensorInfo] = {}
     for f in files:
-        try:
-            with safe_open(f, framework="pt") as handle:
-                for name in handle.keys():
-                    sl = handle.get_slice(name)
-                    out[name] = TensorInfo(tuple(sl.get_shape()), sl.get_dtype(), f)
-        except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad header
-            raise ParityError(f"{f}: not a readable safetensors file ({exc})") from None
+        for name, entry in read_header(f).tensors.items():
+            if name in out:
+                raise ParityError(f"{f}: tensor {name} is also in {out[name].file.name}; a checkpoint holds each "
+                                  f"tensor once")
+            out[name] = TensorInfo(entry.shape, entry.dtype, f)
     return out
+
+
+def check_index(directory: Path, tensors: dict[str, TensorInfo]) -> None:
+    """Every tensor the index lists is in the shard it names."""
+    weight_map = read_index(directory) or {}
+    wrong = [f"{name} (index: {shard}, {'in ' + tensors[name].file.name if name in tensors else 'in no shard'})"
+             for name, shard in weight_map.items() if name not in tensors or tensors[name].file.name != shard]
+    if wrong:
+        raise ParityError(f"{Path(directory) / INDEX}: {len(wrong)} tensor(s) not where the index says: "
+                          f"{', '.join(wrong[:3])}; save the checkpoint again")
 
 
 @dataclass
@@ -143,13 +256,28 @@ class Checkpoint:
         return bool(self.files)
 
 
+def resolve_config(config: dict, cfg_path: Path, adapters: dict[str, Adapter]) -> tuple[Adapter, Variant, Resolved]:
+    """A (checked) config's family, on-disk variant and every convention, through its adapter."""
+    adapter, variant = recognise(config, adapters, str(cfg_path))
+    inner = text_config(config, variant, str(cfg_path))
+    try:
+        resolved = resolve(adapter, variant, inner, wrapper=config if inner is not config else None)
+    except ParityError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a value of a type or range the adapter's expressions cannot take
+        raise ParityError(f"{cfg_path}: does not resolve as a {adapter.family} config ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:160] if str(exc) else 'no message'}); fix the config") from None
+    return adapter, variant, resolved
+
+
 def open_checkpoint(path: Path, adapter_dirs=(), *, adapters: dict[str, Adapter] | None = None) -> Checkpoint:
     """Read a checkpoint's config, find its family, and list its tensors (no weights loaded)."""
     path = Path(path)
     config, cfg_path = read_config(path)
-    adapters = adapters if adapters is not None else load_all(adapter_dirs)
-    adapter, variant = recognise(config, adapters, str(cfg_path))
-    inner = text_config(config, variant, str(cfg_path))
-    resolved = resolve(adapter, variant, inner, wrapper=config if inner is not config else None)
+    adapter, variant, resolved = resolve_config(config, cfg_path, adapters if adapters is not None
+                                                else load_all(adapter_dirs))
     files = weight_files(path) if path.is_dir() else []
-    return Checkpoint(path, cfg_path, config, adapter, variant, resolved, files, inventory(files))
+    tensors = inventory(files)
+    if files:
+        check_index(path, tensors)
+    return Checkpoint(path, cfg_path, config, adapter, variant, resolved, files, tensors)

@@ -60,8 +60,10 @@ class Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:  # one line too, like every other error (exit 2)
+            raise Failure(exc.format_message()) from None
         except (click.ClickException, click.exceptions.Exit, click.Abort):
-            raise  # click's own: usage errors exit 2, --help/--version exit 0
+            raise  # click's own: --help/--version exit 0
         except KeyboardInterrupt:
             raise Interrupted("interrupted") from None
         except ParityError as exc:
@@ -589,7 +591,11 @@ def selftest_cmd(families, dtype, md_path):
 
 
 def main() -> None:
-    cli(prog_name="parity")
+    try:
+        cli(prog_name="parity")
+    except KeyboardInterrupt:  # outside a command (while click parses, or at exit): the same contract
+        click.echo("parity: interrupted; nothing was written", err=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,9 +22,11 @@ from safetensors.torch import save_file
 
 from . import atomic, names, runner
 from .errors import ParityError
+from .shards import FLOAT_DTYPES, read_header
 
 SUFFIX = ".safetensors"
 INPUT_IDS = "input_ids"
+FIX = "write it again (docs/dumps.md)"
 
 
 def _rows(input_ids) -> list[list[int]]:
@@ -65,22 +67,38 @@ def write_dump(path: Path, points: dict[str, torch.Tensor], input_ids) -> Path:
     return path
 
 
+def parse_ids(raw: str, path: Path) -> list[list[int]]:
+    """The ``input_ids`` metadata of a dump: a JSON list of token ids, or a list of equally long rows of them."""
+    def refuse(problem: str) -> ParityError:
+        return ParityError(f"{path}: metadata {INPUT_IDS!r} {problem}: {raw[:60]!r}; store the token ids the engine "
+                           f"ran as a JSON list such as [1, 2, 3] (docs/dumps.md)")
+
+    try:
+        ids = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise refuse("is not a JSON list of token ids") from None
+    if not isinstance(ids, list) or not ids:
+        raise refuse("is not a JSON list of token ids")
+    rows = ids if isinstance(ids[0], list) else [ids]
+    for row in rows:
+        if not isinstance(row, list) or not row:
+            raise refuse("mixes ids and rows, or has an empty row")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in row):
+            raise refuse("holds something other than integer token ids")
+        if any(i < 0 for i in row):
+            raise refuse("holds negative token ids")
+    if len({len(row) for row in rows}) != 1:
+        raise refuse("has rows of different lengths")
+    return rows
+
+
 def read_ids(path: Path) -> list[list[int]]:
     """The ids stored in a dump's metadata, one list per batch row."""
-    try:
-        with safe_open(path, framework="pt") as handle:
-            raw = (handle.metadata() or {}).get(INPUT_IDS)
-    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad header
-        raise ParityError(f"{path}: not a readable safetensors file ({exc})") from None
+    raw = read_header(path, FIX).metadata.get(INPUT_IDS)
     if raw is None:
         raise ParityError(f"{path}: no {INPUT_IDS!r} in the metadata; store the token ids the engine ran as JSON "
                           f"(docs/dumps.md)")
-    try:
-        ids = json.loads(raw)
-        rows = _rows(ids)
-    except (json.JSONDecodeError, TypeError, ValueError):
-        raise ParityError(f"{path}: metadata {INPUT_IDS!r} is not a JSON list of token ids: {raw[:60]!r}") from None
-    return rows
+    return parse_ids(raw, path)
 
 
 def _expected(name: str, capture: set[str], num_layers: int) -> bool:
@@ -94,11 +112,17 @@ def _expected(name: str, capture: set[str], num_layers: int) -> bool:
     return head in capture and bool(rest)
 
 
+def _widths(ckpt) -> tuple[int, int]:
+    """(vocabulary, hidden size) of the reference: its embedding matrix."""
+    return next(t.shape for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))
+
+
 def dump_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed, ckpt):
-    """Replays a dump as a candidate run: its points, in forward order, after checking its ids."""
+    """Replays a dump as a candidate run: its points, in forward order, after checking its ids and shapes."""
     if feed is not None:
         raise ParityError(f"--candidate {path}: a dump holds one free run and cannot be fed the reference's layer "
                           f"inputs; drop --isolate")
+    header = read_header(path, FIX)
     dumped, expected = read_ids(path), _rows(ids)
     if dumped != expected:
         got, want = dumped[0], expected[0]
@@ -107,18 +131,44 @@ def dump_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed,
                           f"tokens, the reference {len(want)}; first difference at position {where}); run the engine "
                           f"on the ids of `parity inputs REFERENCE -o inputs.json`")
     capture = {c.name for c in ckpt.resolved.capture}
-    with safe_open(path, framework="pt") as handle:
-        stored = list(handle.keys())
+    stored = list(header.tensors)
     unknown = [n for n in stored if not _expected(n, capture, ckpt.resolved.num_layers)]
     if unknown:
         raise ParityError(f"--candidate {path}: tensors not named by a capture point of this {ckpt.resolved.family} "
                           f"model: {', '.join(unknown)} (names like embed, layers.0.out, logits; docs/dumps.md)")
+    vocab, hidden = _widths(ckpt)
+    batch, seq = len(expected), len(expected[0])
+    padded = None
+    for name in stored:
+        entry = header.tensors[name]
+        if entry.dtype not in FLOAT_DTYPES:
+            raise ParityError(f"--candidate {path}: {name} is {entry.dtype}; activations must be a float dtype "
+                              f"({', '.join(FLOAT_DTYPES)})")
+        if name not in capture:
+            continue  # a finer point: kept as the engine wrote it, never compared
+        width = vocab if name == "logits" else hidden
+        shape = list(entry.shape)
+        fits = len(shape) == 3 and shape[:2] == [batch, seq] and (shape[2] >= width if name == "logits"
+                                                                    else shape[2] == width)
+        if not fits:
+            raise ParityError(f"--candidate {path}: {name} has shape {shape}, expected [batch={batch}, seq={seq}, "
+                              f"{'vocab' if name == 'logits' else 'hidden'}={width}] for these ids and this "
+                              f"{ckpt.resolved.family} model (docs/dumps.md)")
+        if name == "logits" and shape[2] > width:
+            padded = shape[2]
+    notes = getattr(models, "notes", None)
+    if padded is not None and notes is not None:
+        warning = (f"the dump's logits are {padded} wide for a vocabulary of {vocab} (a padded vocabulary): the first "
+                   f"{vocab} are compared")
+        if warning not in notes.setdefault("warnings", []):
+            notes["warnings"].append(warning)
     stored.sort(key=names.point_order)
 
     def run(emit) -> None:
         with safe_open(path, framework="pt") as handle:
             for name in stored:
-                emit(name, handle.get_tensor(name))
+                t = handle.get_tensor(name)
+                emit(name, t[..., :vocab] if name == "logits" else t)  # an engine's vocabulary padding is dropped
 
     return run
 

@@ -26,17 +26,19 @@ import json
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Any, Callable, Literal, Optional
 
 import torch
+from pydantic import Field, ValidationError
 from safetensors import safe_open
 
 from . import __version__, atomic, dumps, runner
-from .adapter import load_all, recognise, resolve, text_config
-from .checkpoint import Checkpoint, open_checkpoint
+from .adapter import load_all
+from .checkpoint import Checkpoint, check_config, inside, open_checkpoint, plain_file_name, resolve_config
 from .compare import Tolerances, metrics
 from .errors import ParityError
-from .shards import sha256_file
+from .neutral import StrictSpec, validation_problem
+from .shards import FLOAT_DTYPES, read_header, sha256_file
 
 FORMAT = "parity-golden"
 FORMAT_VERSION = 1
@@ -111,7 +113,8 @@ class Golden:
 
     def runner(self, k: int) -> Callable[[runner.Emit], None]:
         """Emits run k's stored points in forward order (as float32), in place of a transformers run."""
-        file = self.path / self.runs[k]["file"]
+        file = run_file(self.path, self.runs[k]["file"])
+        _keys(file)  # checked again: it may have changed since the golden was opened
 
         def run(emit: runner.Emit) -> None:
             with safe_open(file, framework="pt") as handle:
@@ -185,42 +188,130 @@ class Golden:
                               f"{'; '.join(problems)}; record the golden again from it (parity golden record)")
 
 
-def open_golden(path: Path, adapter_dirs=()) -> Golden:
-    """Read a golden directory; its family's adapter is recognised from the stored config."""
-    path = Path(path)
-    file = path / DESCRIPTION
-    if not file.is_file():
-        raise ParityError(f"{path}: no {DESCRIPTION}; give a directory written by `parity golden record`")
+class _PointSpec(StrictSpec):
+    shape: list[Annotated[int, Field(ge=0)]]
+    storage_rel_l2: Annotated[float, Field(allow_inf_nan=False, ge=0)]
+    noise: Optional[Annotated[float, Field(allow_inf_nan=False, ge=0)]] = None
+    noise_isolated: Optional[Annotated[float, Field(allow_inf_nan=False, ge=0)]] = None
+    tolerance: Optional[dict[str, Any]] = None
+
+
+class _RunSpec(StrictSpec):
+    source: str
+    ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    file: str
+    points: dict[str, _PointSpec]
+
+
+class _CheckpointSpec(StrictSpec):
+    path: str
+    sha256: dict[str, str]
+    config: dict[str, Any]
+
+
+class _RecordedWith(StrictSpec):
+    torch: str
+    transformers: str
+
+
+class _GoldenSpec(StrictSpec):
+    family: str
+    dtype: Literal["float32", "bfloat16", "float16"]
+    storage: Literal["float32", "float16"]
+    calibrated: bool
+    checkpoint: _CheckpointSpec
+    recorded_with: _RecordedWith
+    capture_points: Annotated[list[str], Field(min_length=1)]
+    runs: Annotated[list[_RunSpec], Field(min_length=1)]
+
+
+def _read_description(file: Path) -> dict:
+    """golden.json, read and checked against the schema (not yet against the model or the files)."""
+    fix = "record the golden again with `parity golden record`"
     try:
-        description = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ParityError(f"{file}: not valid JSON ({exc}); record the golden again") from None
+        description = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ParityError(f"{file}: not valid JSON ({str(exc)[:160]}); {fix}") from None
+    except OSError as exc:
+        raise ParityError(f"{file}: cannot be read ({exc.strerror or exc}); {fix}") from None
     if not isinstance(description, dict) or description.get("format") != FORMAT \
             or description.get("format_version") != FORMAT_VERSION:
         raise ParityError(f"{file}: not a {FORMAT} v{FORMAT_VERSION} description; record the golden again with "
                           f"this parity")
+    try:
+        _GoldenSpec.model_validate(description)
+    except ValidationError as exc:
+        raise ParityError(f"{file}: {validation_problem(exc)}; {fix}") from None
+    check_config(description["checkpoint"]["config"], file, "checkpoint.config.")
+    return description
+
+
+def run_file(path: Path, name: str) -> Path:
+    """A run's activations file: a file name inside the golden directory, also once symlinks are followed."""
+    file = path / name
+    if not plain_file_name(name) or not inside(file, path):
+        raise ParityError(f"{path / DESCRIPTION}: run file {name[:80]!r} is not a file in the golden directory; "
+                          f"record the golden again")
+    return file
+
+
+def _check_run(path: Path, run: dict, points: list[str], vocab: int, hidden: int) -> None:
+    """A run's ids, its description of each point and its activations file agree."""
+    fix = "record the golden again"
+    file = run_file(path, run["file"])
+    ids = run["ids"]
+    bad = [i for i in ids if i >= vocab]
+    if bad:
+        raise ParityError(f"{path / DESCRIPTION}: run {run['file']} holds token ids outside [0, {vocab}): "
+                          f"{bad[:5]}; {fix}")
+    undescribed = [p for p in points if p not in run["points"]]
+    if undescribed:
+        raise ParityError(f"{path / DESCRIPTION}: run {run['file']} does not describe {', '.join(undescribed[:5])}; "
+                          f"{fix}")
+    header = read_header(file, fix)
+    missing = [p for p in points if p not in header.tensors]
+    if missing:
+        raise ParityError(f"{file}: missing {', '.join(missing)}; {fix}")
+    stored_ids = header.metadata.get(dumps.INPUT_IDS)
+    if stored_ids is not None and dumps.parse_ids(stored_ids, file) != [ids]:
+        raise ParityError(f"{file}: its input ids differ from those golden.json records for it; {fix}")
+    for name in points:
+        entry = header.tensors[name]
+        shape = [1, len(ids), vocab if name == "logits" else hidden]
+        if entry.dtype not in FLOAT_DTYPES or list(entry.shape) != shape or run["points"][name]["shape"] != shape:
+            raise ParityError(f"{file}: {name} is {entry.dtype} {list(entry.shape)} (golden.json: "
+                              f"{run['points'][name]['shape']}), expected a float tensor of shape {shape}; {fix}")
+
+
+def open_golden(path: Path, adapter_dirs=()) -> Golden:
+    """Read a golden directory; its family's adapter is recognised from the stored config. Everything a check
+    reads from it is checked here: the description, its config, and every run's ids and activations."""
+    path = Path(path)
+    file = path / DESCRIPTION
+    if not file.is_file():
+        raise ParityError(f"{path}: no {DESCRIPTION}; give a directory written by `parity golden record`")
+    description = _read_description(file)
     config = description["checkpoint"]["config"]
-    adapter, variant = recognise(config, load_all(adapter_dirs), str(file))
-    inner = text_config(config, variant, str(file))
-    resolved = resolve(adapter, variant, inner, wrapper=config if inner is not config else None)
+    adapter, variant, resolved = resolve_config(config, file, load_all(adapter_dirs))
     if resolved.family != description["family"]:
         raise ParityError(f"{file}: recorded as {description['family']} but its config reads as {resolved.family} "
                           f"with these adapters; check --adapters")
+    points = description["capture_points"]
+    known = [c.name for c in resolved.capture]
+    strange = [p for p in points if p not in known]
+    if strange or len(set(points)) != len(points):
+        raise ParityError(f"{file}: capture_points must be distinct capture points of this {resolved.family} model; "
+                          f"{', '.join(strange[:5]) or 'some appear twice'}; record the golden again")
+    vocab, hidden = next(t.shape for t in resolved.tensors if t.neutral == ("embed.tokens.weight",))
     for run in description["runs"]:
-        held = _keys(path / run["file"])
-        missing = [p for p in description["capture_points"] if p not in held]
-        if missing:
-            raise ParityError(f"{path / run['file']}: missing {', '.join(missing)}; record the golden again")
+        _check_run(path, run, points, vocab, hidden)
     ckpt = Checkpoint(path, file, config, adapter, variant, resolved, files=[], tensors={})
     return Golden(path, description, ckpt)
 
 
 def _keys(file: Path) -> set[str]:
-    try:
-        with safe_open(file, framework="pt") as handle:
-            return set(handle.keys())
-    except Exception as exc:  # noqa: BLE001 - missing, truncated or damaged
-        raise ParityError(f"{file}: not a readable safetensors file ({exc}); record the golden again") from None
+    """The tensor names of a golden's activations file (its header checked)."""
+    return set(read_header(file, "record the golden again").tensors)
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from . import names
+from .checkpoint import inside as in_directory
 from .errors import ParityError
 from .runner import register_candidate
 
@@ -608,21 +609,119 @@ def _numpy_dtype(onnx_type: str):
 
 def _load(models, path: Path, ckpt, wanted: list[str], options: dict) -> tuple[Session, Matching]:
     """The session and matching for these points (cached across the prompts of one check)."""
-    import onnx
-
     key = ("onnx", str(path), options.get("provider"), tuple(wanted), tuple(sorted(options.get("map", {}).items())))
     if key not in models.loaded:
-        try:
-            model = onnx.load(str(path), load_external_data=False)
-        except Exception as exc:  # noqa: BLE001
-            raise ParityError(f"{path}: not a readable ONNX model ({str(exc).splitlines()[0][:200]})") from None
+        model = open_model(path)
         metadata = _metadata(model)
-        g = Graph(model)
+        try:
+            g = Graph(model)
+        except Exception as exc:  # noqa: BLE001 - a graph that parses but cannot be indexed is damaged
+            raise ParityError(f"{path}: not a well-formed ONNX graph ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); export it again") from None
         matching = match(g, ckpt, wanted, options.get("map", {}), metadata)
         _warn_about(matching, metadata, ckpt, options.get("dtype"), g)
         session = Session(path, [m["value"] for m in matching.points.values()], options.get("provider"), g, ckpt)
         models.loaded[key] = (session, matching)
     return models.loaded[key]
+
+
+def open_model(path: Path):
+    """The ModelProto of an .onnx file, its weights left on disk: refused unless it is a model with a graph whose
+    external data all lies, complete, in files inside the model's directory. Checked before onnxruntime sees the
+    file: it would read whatever path a tensor's location names."""
+    import onnx
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ParityError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if size == 0:
+        raise ParityError(f"{path}: empty file, not an ONNX model; export it again")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or an OSError
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ParityError(f"{path}: not a readable ONNX model ({why}); export it again") from None
+    if model.ir_version <= 0 or not model.HasField("graph") or not model.graph.output:
+        raise ParityError(f"{path}: not an ONNX model (no IR version, graph or outputs); give a .onnx model file")
+    for tensor in _all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            _check_external(path, tensor)
+    return model
+
+
+def _all_tensors(model):
+    """Every TensorProto of a model: initializers, sparse ones, node attributes, in subgraphs and functions too."""
+    def in_nodes(nodes):
+        for node in nodes:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                sparse = ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else []) + list(attr.sparse_tensors)
+                for s in sparse:
+                    yield from (s.values, s.indices)
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    yield from in_graph(sub)
+
+    def in_graph(graph):
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield from (sparse.values, sparse.indices)
+        yield from in_nodes(graph.node)
+
+    yield from in_graph(model.graph)
+    for function in model.functions:
+        yield from in_nodes(function.node)
+
+
+def _check_external(path: Path, tensor) -> None:
+    """One tensor's external data: a relative location inside the model's directory, present and long enough."""
+    fields = {entry.key: entry.value for entry in tensor.external_data}
+    name = tensor.name or "(unnamed)"
+    location = fields.get("location", "")
+    base = path.parent
+    parts = location.replace("\\", "/").split("/")
+    target = base / location
+    if not location or Path(location).is_absolute() or ".." in parts or "\0" in location \
+            or not in_directory(target, base):
+        raise ParityError(f"{path}: tensor {name!r} points its external data at {location[:100]!r}, outside the "
+                          f"model's directory; keep the data file beside the .onnx and name it by a relative path")
+    try:
+        offset, length = int(fields.get("offset", 0)), (int(fields["length"]) if "length" in fields else None)
+    except ValueError:
+        raise ParityError(f"{path}: tensor {name!r} has a non-integer external data offset or length; export it "
+                          f"again") from None
+    needed = _nbytes(tensor)
+    if offset < 0 or (length is not None and (length < 0 or (needed is not None and length != needed))):
+        raise ParityError(f"{path}: tensor {name!r} has external data offset {offset} and length {length} for "
+                          f"{needed} bytes of data; export it again")
+    if not target.is_file():
+        raise ParityError(f"{path}: tensor {name!r} keeps its data in {location!r}, which is missing beside the model; "
+                          f"copy it next to {path.name}")
+    end = offset + (length if length is not None else needed or 0)
+    if target.stat().st_size < end:
+        raise ParityError(f"{path}: {location} holds {target.stat().st_size} bytes, but tensor {name!r} needs bytes up "
+                          f"to {end} (truncated); copy the complete file")
+
+
+def _nbytes(tensor) -> int | None:
+    """Bytes of a tensor's data, where its element type has a fixed width (None for strings and packed 4-bit)."""
+    import onnx
+
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except Exception:  # noqa: BLE001 - an element type numpy cannot hold (4-bit, string, or damage)
+        return None
+    packed = {getattr(onnx.TensorProto, kind, None) for kind in ("STRING", "INT4", "UINT4", "FLOAT4E2M1", "INT2",
+                                                                  "UINT2")}
+    if tensor.data_type in packed or any(d < 0 for d in tensor.dims):
+        return None
+    n = 1
+    for d in tensor.dims:
+        n *= d
+    return n * itemsize
 
 
 def _warn_about(matching: Matching, metadata: dict, ckpt, dtype: str | None, g: Graph) -> None:

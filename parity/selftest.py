@@ -102,19 +102,28 @@ def totals(rows: list[Row]) -> dict:
     }
 
 
+def summary(rows: list[Row]) -> str:
+    """The totals in one line: what `parity selftest` ends with."""
+    t = totals(rows)
+    return (f"{t['detected']}/{t['pairs']} pairs detected ({t['detection_rate']:.0%}); diagnosis right for "
+            f"{t['diagnosed_right']}/{t['pairs']} ({t['diagnosis_accuracy']:.0%}), unknown for "
+            f"{t['diagnosed_unknown']}, wrong for {t['diagnosed_wrong']}; {t['false_alarms']} false alarms on "
+            f"{t['clean_conversions']} clean conversions. A final-output np.allclose(atol=1e-5) would have "
+            f"caught {t['allclose_would_catch']}/{t['pairs']}, a next-token check "
+            f"{t['top1_would_catch']}/{t['pairs']}.")
+
+
 def markdown(rows: list[Row]) -> str:
-    lines = ["| family | bug | dtype | detected | first divergence | diagnosis | allclose(1e-5) | top-1 |",
+    """The matrix, folded (a hundred rows would bury the totals), then the summary line last.
+
+    This is what README.md shows, pasted as written by `parity selftest --markdown FILE`.
+    """
+    lines = ["<details><summary>The full matrix</summary>", "",
+             "| family | bug | dtype | detected | first divergence | diagnosis | allclose(1e-5) | top-1 |",
              "|---|---|---|---|---|---|---|---|"]
     mark = {True: "yes", False: "no"}
     for r in rows:
         diag = "-" if r.diagnosed is None else (r.diagnosed + ("" if r.diagnosis_right or r.bug == "clean" else " ✗"))
         lines.append(f"| {r.family} | {r.bug} | {r.dtype} | {mark[r.detected]} | {r.first_divergence or '-'} | "
                      f"{diag} | {mark[r.allclose_caught]} | {mark[r.top1_caught]} |")
-    t = totals(rows)
-    lines.append("")
-    lines.append(f"{t['detected']}/{t['pairs']} pairs detected ({t['detection_rate']:.0%}); diagnosis right for "
-                 f"{t['diagnosed_right']}/{t['pairs']} ({t['diagnosis_accuracy']:.0%}), unknown for "
-                 f"{t['diagnosed_unknown']}, wrong for {t['diagnosed_wrong']}; {t['false_alarms']} false alarms on "
-                 f"{t['clean_conversions']} clean conversions. A final-output np.allclose(atol=1e-5) would have "
-                 f"caught {t['allclose_would_catch']}/{t['pairs']}, a next-token check {t['top1_would_catch']}/{t['pairs']}.")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", "</details>", "", summary(rows)])

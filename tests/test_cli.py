@@ -141,3 +141,55 @@ def test_inspect_with_an_adapters_dir_recognises_a_new_family(tmp_path):
     env_run = run("inspect", "--json", tmp_path / "config.json", env={"PARITY_ADAPTERS": str(d)})
     assert json.loads(env_run.output)["family"] == "myllama"
     assert "unsupported architecture" in _one_line_error(run("inspect", tmp_path / "config.json"))
+
+
+def test_an_unexpected_error_is_one_line_and_exit_2_and_debug_shows_the_traceback(monkeypatch):
+    """Exit 1 means "parity fails": a crash must never read as that. Any exception becomes exit 2."""
+    import parity.cli as cli_module
+
+    def crash(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(cli_module, "_inspect", crash)
+    line = _one_line_error(CliRunner().invoke(cli, ["inspect", "x"]))
+    assert "KeyError" in line and "--debug" in line
+    debug = CliRunner().invoke(cli, ["--debug", "inspect", "x"])
+    assert debug.exit_code == 2 and "Traceback" in debug.stderr
+    assert CliRunner().invoke(cli, ["inspect", "x"], env={"PARITY_DEBUG": "1"}).stderr.count("Traceback") == 1
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(cli_module, "_inspect", no_memory)
+    assert "out of memory" in _one_line_error(CliRunner().invoke(cli, ["inspect", "x"]))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_inspect", interrupted)
+    result = CliRunner().invoke(cli, ["inspect", "x"])
+    assert result.exit_code == 130 and result.stderr.strip() == "parity: interrupted; nothing was written"
+
+
+def test_ctrl_c_during_a_check_exits_130_and_writes_nothing(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from parity.adapter import load_all
+    from parity.tiny import make_tiny
+
+    src = make_tiny(load_all()["llama"], tmp_path / "llama")
+    report = tmp_path / "out" / "report.json"
+    # --generate without a cache re-runs the whole sequence per token: long enough to be interrupted
+    proc = subprocess.Popen([sys.executable, "-m", "parity.cli", "check", "--reference", str(src), "--candidate",
+                             str(src), "--generate", "5000", "--report", str(report)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    assert not report.exists() and not os.path.exists(report.parent)

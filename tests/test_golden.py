@@ -117,7 +117,7 @@ def test_a_low_precision_golden_replays_its_calibration(built, tiny_dir, tmp_pat
     for p in stored.points:
         assert p.to_json() == by_name[p.name].to_json()
     # calibrated for bfloat16 only: a float32 check falls back to the default tolerances, --calibrate is refused
-    assert all(p.tolerance.source == "default" for p in parity.check(golden.path, b["neutral"]).points)
+    assert all(p.tolerance.source == "float32 default" for p in parity.check(golden.path, b["neutral"]).points)
     with pytest.raises(ParityError, match="calibrated for bfloat16 candidates"):
         parity.check(golden.path, b["neutral"], calibrate=True)
 

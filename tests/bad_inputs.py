@@ -1,0 +1,480 @@
+"""The bad-input catalog: every way a user's input can be wrong, and what parity says about it.
+
+Each case is data: a human description (the README's "input" column), a setup that builds the bad
+input in a temporary directory and returns the command line, the exit code (2: no verdict; 1 for a
+candidate whose weights hold NaN, which is a verdict), and a fragment of the one-line message (the
+README's "what parity says"). tests/test_bad_inputs.py runs each one through the CLI; README.md
+holds ``markdown_table()`` between its bad-inputs markers.
+
+Cases whose refusal depends on a change not made yet carry ``lead``: what that change must do.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "golden" / "llama"          # committed: recorded from `parity make-tiny llama`
+OUTPUT_OPTIONS = ("-o", "--output", "--report", "--junit")
+
+
+@dataclass(frozen=True)
+class Built:
+    """What the cases start from, built once: the tiny llama checkpoint, its neutral conversion, and a
+    correct engine dump of the committed golden's ids."""
+
+    checkpoint: Path
+    neutral: Path
+    golden: Path
+    dump: Path
+    ids: list[int]
+
+
+def build(root: Path) -> Built:
+    from parity.adapter import load_all
+    from parity.dumps import write_dump
+    from parity.executor.model import NeutralModel
+    from parity.neutral import convert
+    from parity.tiny import make_tiny
+
+    checkpoint = make_tiny(load_all()["llama"], root / "llama")
+    neutral = root / "llama.neutral"
+    convert(checkpoint, neutral)
+    ids = json.loads((GOLDEN / "golden.json").read_text())["runs"][0]["ids"]
+    points: dict[str, torch.Tensor] = {}
+    NeutralModel.load(neutral)(torch.tensor([ids]), on_point=lambda name, t: points.__setitem__(name, t.clone()))
+    dump = write_dump(root / "dump.safetensors", points, ids)
+    return Built(checkpoint, neutral, GOLDEN, dump, ids)
+
+
+@dataclass(frozen=True)
+class Case:
+    input: str                                   # what is wrong, as a README row names it
+    setup: Callable[[Path, Built], list[str]]    # builds the input under a temporary directory; the argv
+    says: str                                    # a fragment of the message: the README's "what parity says"
+    exit: int = 2
+    lead: str | None = None                      # a change in progress this case waits for (xfail until then)
+
+    @property
+    def id(self) -> str:
+        return "".join(c if c.isalnum() else "-" for c in self.input.lower()).strip("-")[:60]
+
+
+def outputs(argv: list[str]) -> list[Path]:
+    """The files a command line asks to write (none may exist after a refusal)."""
+    return [Path(argv[k + 1]) for k, a in enumerate(argv[:-1]) if a in OUTPUT_OPTIONS]
+
+
+# --------------------------------------------------------------------------------------------
+# Building bad inputs
+
+
+def safetensors_bytes(header: dict, data: bytes = b"", length: int | None = None) -> bytes:
+    """A safetensors file from a header as given (however wrong) and raw data."""
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst) if src.is_dir() else shutil.copyfile(src, dst)
+    return dst
+
+
+def checkpoint_with(tmp: Path, b: Built, files: dict[str, bytes | str | None], weights: bool = True) -> Path:
+    """A copy of the tiny checkpoint (its config, and its weights unless told not) with files replaced or removed."""
+    d = tmp / "ckpt"
+    d.mkdir()
+    for name in ["config.json"] + (["model.safetensors"] if weights else []):
+        shutil.copyfile(b.checkpoint / name, d / name)
+    for name, content in files.items():
+        if content is None:
+            (d / name).unlink()
+        else:
+            (d / name).write_bytes(content.encode() if isinstance(content, str) else content)
+    return d
+
+
+def config_with(tmp: Path, b: Built, **changes) -> Path:
+    config = json.loads((b.checkpoint / "config.json").read_text())
+    config.update(changes)
+    return checkpoint_with(tmp, b, {"config.json": json.dumps(config)}, weights=False)
+
+
+def inspect(path: Path) -> list[str]:
+    return ["inspect", str(path)]
+
+
+def weights_with(tmp: Path, b: Built, content: bytes) -> list[str]:
+    """`parity convert` of the checkpoint with its model.safetensors replaced: refused, nothing written."""
+    d = checkpoint_with(tmp, b, {"model.safetensors": content})
+    return ["convert", str(d), "--to", "neutral", "-o", str(tmp / "out")]
+
+
+def real_weights(b: Built) -> bytes:
+    return (b.checkpoint / "model.safetensors").read_bytes()
+
+
+def header_edited(b: Built, change: Callable[[dict], None]) -> bytes:
+    """The checkpoint's model.safetensors with its header changed (same data)."""
+    raw = real_weights(b)
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    return safetensors_bytes(header, raw[8 + n:])
+
+
+def check(tmp: Path, reference: Path, candidate: Path, *extra: str) -> list[str]:
+    """`parity check --layerwise`, asking for a report and JUnit XML that must not appear."""
+    return ["check", "--reference", str(reference), "--candidate", str(candidate), "--layerwise",
+            "--report", str(tmp / "report.json"), "--junit", str(tmp / "junit.xml"), *extra]
+
+
+def neutral_with(tmp: Path, b: Built, change: Callable[[dict], object]) -> list[str]:
+    """The neutral conversion with its manifest changed (change may return a replacement manifest)."""
+    d = copy(b.neutral, tmp / "cand")
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest = change(manifest) or manifest
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return check(tmp, b.golden, d)
+
+
+def neutral_tensors(tmp: Path, b: Built, change: Callable[[dict], None]) -> list[str]:
+    d = copy(b.neutral, tmp / "cand")
+    tensors = load_file(d / "model.safetensors")
+    change(tensors)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return check(tmp, b.golden, d)
+
+
+def golden_with(tmp: Path, b: Built, change: Callable[[Path, dict], object]) -> list[str]:
+    """A copy of the committed golden with its golden.json (or files) changed."""
+    g = copy(b.golden, tmp / "golden")
+    description = json.loads((g / "golden.json").read_text())
+    description = change(g, description) or description
+    if description != "keep":
+        (g / "golden.json").write_text(description if isinstance(description, str) else json.dumps(description))
+    return check(tmp, g, b.neutral)
+
+
+def dump_with(tmp: Path, b: Built, change: Callable[[dict], None] | None = None,
+              metadata: dict | None = None) -> list[str]:
+    """The correct dump with its tensors changed and its metadata replaced."""
+    tensors = load_file(b.dump)
+    if change is not None:
+        change(tensors)
+    path = tmp / "dump.safetensors"
+    save_file(tensors, path, metadata={"input_ids": json.dumps(b.ids)} if metadata is None else metadata)
+    return check(tmp, b.golden, path)
+
+
+def onnx_model(tmp: Path, location: str | None = "weights.data", data: bytes | None = None) -> Path:
+    """A small valid ONNX model (out = w + w) with its initializer kept as external data at ``location``."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4], struct.pack("<4f", 1, 2, 3, 4), raw=True)
+    graph = helper.make_graph([helper.make_node("Add", ["w", "w"], ["logits"])], "g", [],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    d = tmp / "model"
+    d.mkdir()
+    path = d / "model.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.data", size_threshold=0)
+    if data is not None:
+        (d / "weights.data").write_bytes(data)
+    if location != "weights.data":
+        model = onnx.load(str(path), load_external_data=False)
+        for entry in model.graph.initializer[0].external_data:
+            if entry.key == "location":
+                entry.value = location
+        onnx.save_model(model, str(path))
+    return path
+
+
+def sentinel(tmp: Path) -> Path:
+    """A file outside the model's directory that an external-data path must never reach."""
+    (tmp / "secret.data").write_bytes(b"\0" * 64)
+    return tmp / "secret.data"
+
+
+def inputs(b: Built, tmp: Path, *extra: str) -> list[str]:
+    return ["inputs", str(b.checkpoint), "-o", str(tmp / "inputs.json"), *extra]
+
+
+def toml(tmp: Path, text: str) -> str:
+    (tmp / "tol.toml").write_text(text)
+    return str(tmp / "tol.toml")
+
+
+def write(path: Path, content: bytes) -> Path:
+    path.write_bytes(content)
+    return path
+
+
+def _set(path: str, value):
+    """A manifest change: set the value at a dotted path (list indices as numbers)."""
+    def change(m: dict) -> None:
+        *parts, last = path.split(".")
+        node = m
+        for p in parts:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        if value is _DELETE:
+            del node[last]
+        else:
+            node[last] = value
+    return change
+
+
+_DELETE = object()
+
+
+def _nan(tensors: dict) -> None:
+    tensors["layers.0.mlp.down.weight"][0, 0] = float("nan")
+
+
+def _narrow_logits(tensors: dict) -> None:
+    tensors["logits"] = tensors["logits"][..., :200].contiguous()
+
+
+def _short_embed(tensors: dict) -> None:
+    tensors["embed"] = tensors["embed"][:, :-1].contiguous()
+
+
+def _ints(tensors: dict) -> None:
+    tensors["embed"] = tensors["embed"].to(torch.int32)
+
+
+def _drop_runs(g: Path, d: dict) -> None:
+    del d["runs"]
+
+
+def _escape_run(g: Path, d: dict) -> None:
+    (g.parent / "outside.safetensors").write_bytes((g / "activations.safetensors").read_bytes())
+    d["runs"][0]["file"] = "../outside.safetensors"
+
+
+def _absolute_run(g: Path, d: dict) -> None:
+    d["runs"][0]["file"] = str((g / "activations.safetensors").resolve())
+
+
+def _no_activations(g: Path, d: dict) -> str:
+    (g / "activations.safetensors").unlink()
+    return "keep"
+
+
+def _float_ids(g: Path, d: dict) -> None:
+    d["runs"][0]["ids"][3] = 2.5
+
+
+def _points_not_strings(g: Path, d: dict) -> None:
+    d["capture_points"] = "embed"
+
+
+# --------------------------------------------------------------------------------------------
+# The catalog
+
+BAD_INPUTS: list[Case] = [
+    # a Hugging Face checkpoint: config.json
+    Case("checkpoint directory without config.json",
+         lambda t, b: inspect(checkpoint_with(t, b, {"config.json": None})), "no config.json"),
+    Case("config.json that is not JSON",
+         lambda t, b: inspect(checkpoint_with(t, b, {"config.json": "{not json"}, weights=False)), "not valid JSON"),
+    Case("config.json holding a JSON list",
+         lambda t, b: inspect(checkpoint_with(t, b, {"config.json": "[1, 2]"}, weights=False)),
+         "expected a JSON object"),
+    Case("config.json of an unknown architecture",
+         lambda t, b: inspect(config_with(t, b, architectures=["MambaForCausalLM"], model_type="mamba")),
+         "unsupported architecture MambaForCausalLM"),
+    Case("config.json with hidden_size as a string",
+         lambda t, b: inspect(config_with(t, b, hidden_size="64")), "hidden_size must be a positive integer"),
+    Case("config.json with a negative num_attention_heads",
+         lambda t, b: inspect(config_with(t, b, num_attention_heads=-4)),
+         "num_attention_heads must be a positive integer"),
+    Case("config.json with 100 million layers",
+         lambda t, b: inspect(config_with(t, b, num_hidden_layers=100_000_000)),
+         "num_hidden_layers must be at most 10,000"),
+    # sharded checkpoints: model.safetensors.index.json
+    Case("model.safetensors.index.json that is not JSON",
+         lambda t, b: inspect(checkpoint_with(t, b, {"model.safetensors.index.json": "{"})), "not valid JSON"),
+    Case("index naming a shard that is missing",
+         lambda t, b: inspect(checkpoint_with(t, b, {"model.safetensors.index.json": json.dumps(
+             {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})})),
+         "names shard(s) that are not there"),
+    Case("index naming a shard outside the directory (../x)",
+         lambda t, b: inspect(checkpoint_with(t, b, {"model.safetensors.index.json": json.dumps(
+             {"weight_map": {"lm_head.weight": "../model.safetensors"}})})),
+         "shard names must be file names in the checkpoint directory"),
+    # weights: safetensors files (each through `parity convert`, which must leave no output)
+    Case("zero-byte model.safetensors", lambda t, b: weights_with(t, b, b""),
+         "shorter than the 8-byte header length"),
+    Case("safetensors header length of 2^60 bytes",
+         lambda t, b: weights_with(t, b, safetensors_bytes({}, length=2**60)),
+         "header length 1152921504606846976 exceeds the file's 2 remaining bytes"),
+    Case("safetensors header that is not JSON",
+         lambda t, b: weights_with(t, b, struct.pack("<Q", 8) + b"not json"), "header is not valid JSON"),
+    Case("safetensors tensor offsets past the end of the file",
+         lambda t, b: weights_with(t, b, safetensors_bytes({"lm_head.weight": {
+             "dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4)),
+         "the tensors cover 8 bytes of data but the file holds 4 (truncated)"),
+    Case("safetensors tensors that overlap",
+         lambda t, b: weights_with(t, b, safetensors_bytes({
+             "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12)), "overlapping"),
+    Case("safetensors tensor of an unknown dtype",
+         lambda t, b: weights_with(t, b, header_edited(b, lambda h: h["lm_head.weight"].update(dtype="F12"))),
+         "unknown dtype 'F12'"),
+    Case("safetensors shape that disagrees with its byte range",
+         lambda t, b: weights_with(t, b, header_edited(b, lambda h: h["lm_head.weight"].update(shape=[256, 65]))),
+         "needs 66560 bytes but its data_offsets span 65536"),
+    Case("safetensors file cut in half",
+         lambda t, b: weights_with(t, b, real_weights(b)[:len(real_weights(b)) // 2]),
+         "not a readable safetensors file (the tensors cover"),
+    Case("checkpoint holding only pickle weights (pytorch_model.bin)",
+         lambda t, b: inspect(checkpoint_with(t, b, {"model.safetensors": None, "pytorch_model.bin": b"not a pickle"})),
+         "holds only pickle weights"),
+    # a neutral candidate: manifest.json
+    Case("manifest.json holding a JSON list", lambda t, b: neutral_with(t, b, lambda m: [m]), "expected a JSON object"),
+    Case("manifest.json without a layer's heads",
+         lambda t, b: neutral_with(t, b, _set("layers.0.attention.heads", _DELETE)),
+         "layers.0.attention.heads: Field required"),
+    Case("manifest.json with heads as a string",
+         lambda t, b: neutral_with(t, b, _set("layers.0.attention.heads", "4")),
+         "layers.0.attention.heads: Input should be a valid integer"),
+    Case("manifest.json with zero heads", lambda t, b: neutral_with(t, b, _set("layers.1.attention.heads", 0)),
+         "layers.1.attention.heads: Input should be greater than 0"),
+    Case("manifest.json with an unknown RoPE style",
+         lambda t, b: neutral_with(t, b, _set("layers.0.attention.rope.style", "diagonal")),
+         "rope.style: Input should be 'half' or 'interleaved'"),
+    Case("manifest.json with an unknown RoPE scaling type",
+         lambda t, b: neutral_with(t, b, _set("layers.0.attention.rope.scaling.rope_type", "warp")),
+         "unknown RoPE scaling type 'warp'"),
+    Case("manifest.json with a norm kind the executor does not know",
+         lambda t, b: neutral_with(t, b, _set("final_norm.kind", "batchnorm")),
+         "final_norm.kind: Input should be 'rmsnorm' or 'layernorm'"),
+    Case("manifest.json listing a tensor the file lacks",
+         lambda t, b: neutral_with(t, b, lambda m: m["tensors"].update(
+             {"layers.0.extra.weight": {"shape": [4], "dtype": "float32", "file": "model.safetensors"}})),
+         "tensors listed in the manifest are missing: layers.0.extra.weight"),
+    Case("manifest.json stating a shape the file does not hold",
+         lambda t, b: neutral_with(t, b, lambda m: m["tensors"]["final_norm.weight"].update(shape=[65])),
+         "final_norm.weight is F32 [64] but the manifest says F32 [65]"),
+    Case("manifest.json naming a weight file outside the directory",
+         lambda t, b: neutral_with(t, b, lambda m: m.update(files={"../model.safetensors": {"sha256": "",
+                                                                                          "bytes": 0}})),
+         "is not a file name in the directory"),
+    Case("neutral candidate whose weights hold NaN", lambda t, b: neutral_tensors(t, b, _nan),
+         "FAIL at layers.0.out: NaN in candidate", exit=1),
+    # a golden reference: golden.json and its activations
+    Case("golden.json that is not JSON", lambda t, b: golden_with(t, b, lambda g, d: "{oops"), "not valid JSON"),
+    Case("golden.json holding a JSON list", lambda t, b: golden_with(t, b, lambda g, d: [d]),
+         "not a parity-golden v1 description"),
+    Case("golden.json without its runs", lambda t, b: golden_with(t, b, _drop_runs), "runs: Field required"),
+    Case("golden.json with capture_points as a string", lambda t, b: golden_with(t, b, _points_not_strings),
+         "capture_points: Input should be a valid list"),
+    Case("golden.json with a fractional token id", lambda t, b: golden_with(t, b, _float_ids),
+         "runs.0.ids.3: Input should be a valid integer"),
+    Case("golden run file escaping the directory (../x)", lambda t, b: golden_with(t, b, _escape_run),
+         "is not a file in the golden directory"),
+    Case("golden run file given as an absolute path", lambda t, b: golden_with(t, b, _absolute_run),
+         "is not a file in the golden directory"),
+    Case("golden without its activations file", lambda t, b: golden_with(t, b, _no_activations),
+         "not a readable safetensors file (no such file)"),
+    # an engine dump candidate
+    Case("engine dump without input_ids metadata", lambda t, b: dump_with(t, b, metadata={"format": "pt"}),
+         "no 'input_ids' in the metadata"),
+    Case("engine dump whose input_ids are not JSON", lambda t, b: dump_with(t, b, metadata={"input_ids": "20, 96"}),
+         "is not a JSON list of token ids"),
+    Case("engine dump whose input_ids are a JSON object",
+         lambda t, b: dump_with(t, b, metadata={"input_ids": '{"ids": [1]}'}), "is not a JSON list of token ids"),
+    Case("engine dump with negative input_ids",
+         lambda t, b: dump_with(t, b, metadata={"input_ids": json.dumps([-1] + b.ids[1:])}),
+         "holds negative token ids"),
+    Case("engine dump of other ids than the reference's",
+         lambda t, b: dump_with(t, b, metadata={"input_ids": json.dumps(b.ids[:-1] + [b.ids[-1] ^ 1])}),
+         "input ids differ from the reference's"),
+    Case("engine dump whose activations are one token short", lambda t, b: dump_with(t, b, _short_embed),
+         "embed has shape [1, 79, 64], expected [batch=1, seq=80, hidden=64]"),
+    Case("engine dump whose logits are narrower than the vocabulary", lambda t, b: dump_with(t, b, _narrow_logits),
+         "logits has shape [1, 80, 200], expected [batch=1, seq=80, vocab=256]"),
+    Case("engine dump holding integer activations", lambda t, b: dump_with(t, b, _ints), "embed is I32"),
+    Case("engine dump with --isolate", lambda t, b: check(t, b.golden, b.dump, "--isolate"),
+         "cannot be fed the reference's layer inputs"),
+    # an ONNX candidate
+    Case("ONNX file of garbage bytes",
+         lambda t, b: check(t, b.golden, write(t / "m.onnx", b"\x08\x07garbage" * 9)),
+         "not a readable ONNX model"),
+    Case("empty ONNX file", lambda t, b: check(t, b.golden, write(t / "m.onnx", b"")),
+         "empty file, not an ONNX model"),
+    Case("ONNX external data at an absolute path",
+         lambda t, b: check(t, b.golden, onnx_model(t, str(sentinel(t)))), "outside the model's directory"),
+    Case("ONNX external data path leaving the directory (../)",
+         lambda t, b: check(t, b.golden, onnx_model(t, f"../{sentinel(t).name}")), "outside the model's directory"),
+    Case("ONNX external data file missing",
+         lambda t, b: check(t, b.golden, onnx_model(t, "gone.data")), "which is missing beside the model"),
+    Case("ONNX external data file shorter than its tensors",
+         lambda t, b: check(t, b.golden, onnx_model(t, data=b"\0" * 8)),
+         "holds 8 bytes, but tensor 'w' needs bytes up to 16 (truncated)"),
+    # command-line values
+    Case("--ids 1,x", lambda t, b: inputs(b, t, "--ids", "1,x"), "expected comma-separated integers"),
+    Case("--ids outside the vocabulary", lambda t, b: inputs(b, t, "--ids", "1,256"),
+         "token ids must be integers in [0, 256)"),
+    Case('--ids ""', lambda t, b: inputs(b, t, "--ids", ""), "token ids must be integers in [0, 256); got none"),
+    Case("--length 0", lambda t, b: inputs(b, t, "--length", "0"), "--length must be at least 1"),
+    Case("--length -5", lambda t, b: inputs(b, t, "--length", "-5"), "--length must be at least 1"),
+    Case("--length 100000000", lambda t, b: inputs(b, t, "--length", "100000000"),
+         "a prompt of 100000000 tokens needs about"),
+    Case("--prompt without a tokenizer.json",
+         lambda t, b: ["inputs", str(checkpoint_with(t, b, {})), "-o", str(t / "inputs.json"), "--prompt", "hi"],
+         "no tokenizer.json"),
+    Case("--tolerance 'nonsense'", lambda t, b: check(t, b.golden, b.neutral, "--tolerance", "nonsense"),
+         "expected 'GLOB:rel_l2=1e-3' or a .toml file"),
+    Case("--tolerance 'x:rel_l2=abc'", lambda t, b: check(t, b.golden, b.neutral, "--tolerance", "x:rel_l2=abc"),
+         "rel_l2='abc' is not a finite number >= 0"),
+    Case("--tolerance 'x:cosine=0.9'", lambda t, b: check(t, b.golden, b.neutral, "--tolerance", "x:cosine=0.9"),
+         "cosine is not a tolerance"),
+    Case("--tolerance missing.toml",
+         lambda t, b: check(t, b.golden, b.neutral, "--tolerance", str(t / "missing.toml")), "no such file"),
+    Case("tolerance TOML file with an unknown table",
+         lambda t, b: check(t, b.golden, b.neutral, "--tolerance", toml(t, "[defaults]\nrel_l2 = 1e-3\n")),
+         "unknown table(s) defaults"),
+    Case("--inputs file that is not a list",
+         lambda t, b: check(t, b.golden, b.neutral, "--inputs", str(write(t / "in.json", b'{"ids": [1]}'))),
+         "expected a non-empty JSON list"),
+    Case("--report out.txt (unknown format)",
+         lambda t, b: ["check", "--reference", str(b.golden), "--candidate", str(b.neutral), "--report",
+                       str(t / "out.txt")], "unknown report format '.txt'"),
+    Case("--report under a file (a directory that cannot be created)",
+         lambda t, b: ["check", "--reference", str(b.golden), "--candidate", str(b.neutral), "--report",
+                       str(write(t / "file", b"") / "sub" / "r.json")], "cannot create a file there"),
+    Case("run --top -2", lambda t, b: ["run", str(b.neutral), "--ids", "1,2", "--top", "-2"],
+         "-2 is not in the range x>=1"),
+    Case("run --top 0", lambda t, b: ["run", str(b.neutral), "--ids", "1,2", "--top", "0"],
+         "0 is not in the range x>=1"),
+    Case("--dtype float8 (unknown)", lambda t, b: check(t, b.golden, b.neutral, "--dtype", "float8"),
+         "'float8' is not one of 'float32', 'bfloat16', 'float16'"),
+    Case("--candidate that does not exist", lambda t, b: check(t, b.golden, t / "nowhere"),
+         "no such file or directory"),
+    Case("--inject an unknown bug id", lambda t, b: check(t, b.golden, b.neutral, "--inject", "no-such-bug"),
+         "unknown bug id 'no-such-bug'"),
+    Case("--inject with a non-neutral candidate",
+         lambda t, b: check(t, b.golden, b.dump, "--inject", "norm-eps-wrong"), "--inject needs a neutral candidate"),
+]
+
+
+def markdown_table() -> str:
+    """The catalog as README.md shows it."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = ["| input | exit | what parity says |", "|---|---|---|"]
+    rows += [f"| {cell(c.input)} | {c.exit} | {cell(c.says)} |" for c in BAD_INPUTS]
+    return "\n".join(rows)
