@@ -332,8 +332,7 @@ def _capture(models: runner.Models, ckpt: Checkpoint, ids: torch.Tensor, points:
                            "reference (calibration)") if calibrate else None)
     # where the golden can feed isolated checks (it holds every layer's input), measure their noise too: the
     # noisy reference's layers fed the float32 reference's inputs, as an isolated check will be
-    num_layers = ckpt.resolved.num_layers
-    input_of = {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(num_layers)}}
+    input_of = runner.layer_inputs(ckpt.resolved.num_layers)
     layer_inputs = runner.LayerInputs() if calibrate and set(input_of) <= wanted else None
     isolated = (runner.Stream(_selected(runner.hf_runner(models, ckpt, other, ids, layer_inputs.feed,
                                                          "calibration (isolated)"), wanted),

@@ -589,6 +589,12 @@ def _merge(report: Report, results: list[PointResult], logits: dict | None) -> N
         report.logits = None
 
 
+def layer_inputs(num_layers: int) -> dict[str, int]:
+    """The points that are a layer's input: `embed` feeds layer 0, `layers.{i}.out` feeds layer i + 1 (the head
+    after the last); point -> the index isolation feeds it to."""
+    return {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(num_layers)}}
+
+
 class LayerInputs:
     """The reference's input to each layer, handed from the comparing thread to an isolated calibration run in
     its own thread (which waits for each one). ``close`` releases a waiting run when the check stops early."""
@@ -624,8 +630,7 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     say = progress or (lambda message: None)
     low = DTYPES[dtype]
     wanted = _forward_names(ckpt, layerwise, isolate)
-    # the reference's input to layer i is its `embed` (i = 0) or `layers.{i-1}.out`
-    input_of = {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(ckpt.resolved.num_layers)}}
+    input_of = layer_inputs(ckpt.resolved.num_layers)
     noise_inputs = LayerInputs() if isolate else None
     # the reference at float32 is the truth; calibration adds the reference at the candidate's dtype
     # (or float64 for a float32 check): their distance is each point's own precision noise. An isolated
