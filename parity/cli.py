@@ -335,9 +335,16 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
               help="ONNX candidates: the onnxruntime execution provider (default CPUExecutionProvider).")
 @click.option("--map", "maps", multiple=True, metavar="POINT=VALUE",
               help="ONNX candidates: read capture point POINT from graph value VALUE (repeatable).")
+@click.option("--stream/--no-stream", default=None,
+              help="Read the models' weights a layer at a time (default: only when they would not fit in memory).")
+@click.option("--device", default="cpu", show_default=True, metavar="DEVICE",
+              help="Where the reference runs: cpu, cuda, cuda:N, mps, or auto (every GPU, else the CPU).")
+@click.option("--candidate-device", default=None, metavar="DEVICE",
+              help="Where the candidate runs (parity's executor, a Hugging Face candidate); default: --device.")
 @adapters_option
 def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
-              tolerance, report_paths, junit, generate, per_layer, inject, checkpoint, provider, maps, adapter_dirs):
+              tolerance, report_paths, junit, generate, per_layer, inject, checkpoint, provider, maps, stream, device,
+              candidate_device, adapter_dirs):
     """Compare a candidate against the reference, point by point; exit 0 pass, 1 fail, 2 no verdict.
 
     \b
@@ -354,7 +361,8 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
                         tolerance=list(tolerance), prompt=prompt, ids=_parse_id_list(ids), length=length,
                         inputs_file=inputs_file, generate=generate, adapter_dirs=adapter_dirs, per_layer=per_layer,
                         report_paths=report_paths, junit=junit, run=check, checkpoint=checkpoint, inject=inject,
-                        provider=provider, maps=list(maps))
+                        provider=provider, maps=list(maps), stream=stream, device=device,
+                        candidate_device=candidate_device, layers_progress=True)
     sys.exit(report.exit_code)
 
 
@@ -364,15 +372,42 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=120)
 
 
-def _run_check(reference, candidate, *, per_layer, report_paths, junit, run, **kwargs):
+class _Progress:
+    """What a check is doing (a status line) and, per model, a bar of layers done with the time left."""
+
+    def __init__(self):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("layers"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                             console=Console(stderr=True), transient=True)
+        self.status = self.bars.add_task("checking", total=None)
+        self.models: dict[str, int] = {}
+
+    def message(self, text: str) -> None:
+        self.bars.update(self.status, description=text)
+
+    def layer(self, model: str, done: int, total: int) -> None:
+        if model not in self.models or done == 1:  # a new prompt starts the model's bar again
+            if model in self.models:
+                self.bars.remove_task(self.models[model])
+            self.models[model] = self.bars.add_task(f"{model:<12}", total=total)
+        self.bars.update(self.models[model], completed=done)
+
+
+def _run_check(reference, candidate, *, per_layer, report_paths, junit, run, layers_progress=False, **kwargs):
     from . import render
 
     outputs = [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]
     for path, fmt in outputs:  # before any model is loaded: a check must not run for an hour and then fail to write
         render.check_output(path, fmt)
     console = _console()
-    with Console(stderr=True).status("checking") as status:
-        report = run(reference, candidate, progress=lambda message: status.update(message), **kwargs)
+    progress = _Progress()
+    if layers_progress:
+        kwargs["on_layer"] = progress.layer
+    with progress.bars:
+        report = run(reference, candidate, progress=progress.message, **kwargs)
     render.console(report, console, per_layer=per_layer)
     for path, fmt in outputs:
         render.write(report, path, fmt)

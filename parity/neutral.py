@@ -781,9 +781,10 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def load(path: Path, *, verify: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+def load(path: Path, *, verify: bool = False, lazy: bool = False) -> tuple[dict, Any]:
     """Read a neutral directory: (manifest, tensors by neutral name). Every file's header is checked, and every
-    tensor the manifest lists must be there with the shape and dtype it states, before any tensor is read."""
+    tensor the manifest lists must be there with the shape and dtype it states, before any tensor is read.
+    ``lazy``: the tensors are a parity.lazy.NeutralSource, read a layer at a time as the executor reaches them."""
     path = Path(path)
     manifest = read_manifest(path)
     directory = path if path.is_dir() else path.parent
@@ -808,6 +809,12 @@ def load(path: Path, *, verify: bool = False) -> tuple[dict, dict[str, torch.Ten
     if missing:
         raise ParityError(f"{path}: tensors listed in the manifest are missing: {', '.join(missing[:8])}"
                           f"{' ...' if len(missing) > 8 else ''}; {fix}")
+    if lazy:
+        from .lazy import NeutralSource
+
+        for name, info in manifest["tensors"].items():
+            info.setdefault("file", found[name])
+        return manifest, NeutralSource(manifest, directory)
     tensors: dict[str, torch.Tensor] = {}
     for file, info in manifest["files"].items():
         if verify and sha256_file(directory / file) != info["sha256"]:

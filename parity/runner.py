@@ -85,7 +85,10 @@ class Stream:
 # Reference and candidates
 
 
-def _load_hf(ckpt: Checkpoint, dtype: torch.dtype):
+def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device: str = "cpu"):
+    """transformers' model for the checkpoint: whole (``from_pretrained``), or streamed a layer at a time
+    (parity.lazy). ``device`` "auto" with several GPUs spreads a whole model over them (accelerate's
+    device_map)."""
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -98,8 +101,13 @@ def _load_hf(ckpt: Checkpoint, dtype: torch.dtype):
     # grouped-matmul expert kernels have no float64 version; the plain loop computes the same thing
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     try:
-        return cls.from_pretrained(ckpt.path, attn_implementation="eager", dtype=dtype, **extra).eval()
-    except MemoryError:
+        if stream:
+            from .lazy import streamed_hf
+
+            return streamed_hf(cls, ckpt, dtype, device, **extra)
+        place = {} if device == "cpu" else {"device_map": device}
+        return cls.from_pretrained(ckpt.path, attn_implementation="eager", dtype=dtype, **place, **extra).eval()
+    except (MemoryError, ParityError):
         raise
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a damaged checkpoint
         text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
@@ -135,11 +143,90 @@ def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
     return handles
 
 
+# --------------------------------------------------------------------------------------------
+# Devices and memory
+
+
+def device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(spec: str) -> str:
+    """'cpu', 'cuda', 'cuda:N', 'mps' or 'auto' (every GPU there is, else the CPU), checked against this machine."""
+    spec = (spec or "cpu").strip().lower()
+    if spec == "auto":
+        if device_count():
+            return "auto" if device_count() > 1 else "cuda:0"
+        mps = getattr(torch.backends, "mps", None)
+        return "mps" if mps is not None and mps.is_available() else "cpu"
+    if spec == "cpu":
+        return spec
+    kind, _, index = spec.partition(":")
+    if kind == "cuda":
+        if not device_count():
+            raise ParityError(f"--device {spec}: this machine has no CUDA GPU visible to torch "
+                              f"({torch.__version__}); use --device cpu")
+        n = int(index) if index.isdigit() else 0 if not index else -1
+        if not 0 <= n < device_count():
+            raise ParityError(f"--device {spec}: expected cuda or cuda:N with N in 0..{device_count() - 1}")
+        return f"cuda:{n}"
+    if kind == "mps" and not index:
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ParityError(f"--device mps: this machine has no MPS device; use --device cpu")
+        return "mps"
+    raise ParityError(f"--device {spec!r} is not one of cpu, cuda, cuda:N, mps, auto")
+
+
+def _memory(device: str) -> int | None:
+    """Bytes free where a model would be placed: MemAvailable for the CPU, free memory of the GPU(s)."""
+    if device == "cpu" or device == "mps":
+        return _available_memory()
+    if device == "auto":
+        return sum(torch.cuda.mem_get_info(i)[0] for i in range(device_count()))
+    return torch.cuda.mem_get_info(torch.device(device))[0]
+
+
+def _elements(shapes) -> int:
+    n = 0
+    for shape in shapes:
+        k = 1
+        for s in shape:
+            k *= s
+        n += k
+    return n
+
+
+def would_not_fit(ckpt: Checkpoint, candidate: Path, kind: str, dtype: str, calibrate: bool, device: str,
+                  candidate_device: str) -> bool:
+    """Whether the models of a check, held whole, would take more than 80% of the memory free for them: the
+    float32 reference, the candidate at its dtype (when parity runs it) and the calibration reference."""
+    params = _elements(info.shape for info in ckpt.tensors.values())
+    need = {device: params * 4}
+    if calibrate:
+        need[device] += params * (8 if dtype == "float32" else DTYPES[dtype].itemsize)
+    if kind in ("neutral", "transformers"):
+        from .neutral import read_manifest
+
+        shapes = ([info["shape"] for info in read_manifest(candidate)["tensors"].values()] if kind == "neutral"
+                  else [info.shape for info in open_checkpoint(candidate).tensors.values()])
+        count = _elements(shapes)
+        need[candidate_device] = need.get(candidate_device, 0) + count * DTYPES[dtype].itemsize
+    for where, nbytes in need.items():
+        free = _memory(where)
+        if free is not None and nbytes > 0.8 * free:
+            return True
+    return False
+
+
 class Models:
     """Loaded models, reused across the prompts of one check."""
 
-    def __init__(self, adapter_dirs=()):
+    def __init__(self, adapter_dirs=(), *, stream: bool = False, device: str = "cpu", candidate_device: str = "cpu"):
         self.adapter_dirs = tuple(adapter_dirs)  # --adapters: every checkpoint of the check is read with them
+        self.stream = stream                     # weights read a layer at a time (parity.lazy)
+        self.device = {"reference": device, "calibration": device, "calibration (isolated)": device,
+                       "candidate": candidate_device}
         self.loaded: dict = {}
         self.options: dict = {}  # candidate options from check() (ONNX: provider, map, layerwise)
         self.notes: dict = {}    # what a candidate runner reports back: "matching", "warnings"
@@ -149,7 +236,7 @@ class Models:
         # candidate that is the same checkpoint must not share its modules
         key = ("hf", str(ckpt.path), dtype, role)
         if key not in self.loaded:
-            self.loaded[key] = _load_hf(ckpt, dtype)
+            self.loaded[key] = _load_hf(ckpt, dtype, self.stream, self.device.get(role, self.device["reference"]))
         return self.loaded[key]
 
     def neutral(self, path: Path, dtype: torch.dtype, inject: str | None = None):
@@ -159,31 +246,47 @@ class Models:
 
         key = ("neutral", str(path), dtype, inject)
         if key not in self.loaded:
-            manifest, tensors = load(path)
+            # an injected mistake rewrites tensors, so that candidate is held whole
+            manifest, tensors = load(path, lazy=self.stream and not inject)
             if inject:  # the executor runs the mistake exactly as a port would
                 manifest, tensors = bugs.inject(inject, manifest, tensors, bugs.families())
-            self.loaded[key] = NeutralModel(manifest, tensors, dtype)
+            self.loaded[key] = NeutralModel(manifest, tensors, dtype, self.device["candidate"])
         return self.loaded[key]
 
 
 def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
-              role: str = "reference"):
-    """A function that runs a transformers checkpoint and emits its capture points."""
+              role: str = "reference", points: set[str] | None = None, on_layer: Callable[[int], None] | None = None):
+    """A function that runs a transformers checkpoint and emits its capture points (only ``points``, when
+    given: nothing else is hooked, so nothing else is held). ``on_layer(i)`` is told when layer i is done."""
     model = models.hf(ckpt, dtype, role)
+    capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
+    layer_paths = {c.name: c.module for c in ckpt.resolved.capture}
+    device = models.device.get(role, models.device["reference"])
 
     def run(emit: Emit) -> None:
         from .capture import hooks
 
         # capture hooks first: a layer's input is reported as computed, then replaced when isolating
-        with hooks(model, ckpt.resolved.capture, emit), torch.no_grad():
+        with hooks(model, capture, emit), torch.no_grad():
             handles = _isolation_hooks(model, ckpt, feed) if feed is not None else []
+            if on_layer is not None:
+                for i in range(ckpt.resolved.num_layers):
+                    module = model.get_submodule(layer_paths[f"layers.{i}.out"])
+                    handles.append(module.register_forward_hook(lambda *_, i=i: on_layer(i)))
             try:
-                model(input_ids=ids)
+                model(input_ids=ids.to(_first_device(model, device)))
             finally:
                 for h in handles:
                     h.remove()
 
     return run
+
+
+def _first_device(model, device: str) -> torch.device:
+    """Where a model's inputs go: its embedding's device when spread over several (device_map)."""
+    if device != "auto":
+        return torch.device(device)
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
 
 
 def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
@@ -194,6 +297,25 @@ def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Te
         model(ids, on_point=emit, feed=feed)
 
     return run
+
+
+def only(run: Callable[[Emit], None], names: set[str]) -> Callable[[Emit], None]:
+    """The run, emitting only ``names``: nothing else is queued or held."""
+    return lambda emit: run(lambda name, t: emit(name, t) if name in names else None)
+
+
+def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.dtype = torch.float32,
+                  device: str = "cpu", adapter_dirs=()) -> torch.Tensor:
+    """One forward of a Hugging Face checkpoint (transformers) or a neutral directory (parity's executor), with
+    no capture or comparison: the yardstick a check's cost is measured against (bench/check.py)."""
+    models = Models(adapter_dirs, stream=stream, device=device, candidate_device=device)
+    with torch.no_grad():
+        if candidate_kind(Path(path)) == "neutral":
+            return models.neutral(Path(path), dtype)(ids)
+        ckpt = open_checkpoint(Path(path), adapter_dirs)
+        model = models.hf(ckpt, dtype)
+        out = model(input_ids=ids.to(_first_device(model, device)))
+        return out.logits if getattr(out, "logits", None) is not None else out[0]
 
 
 # Candidate kinds beyond the two built in: kind -> (detect(path) -> bool, make_runner, isolates). A module
@@ -396,7 +518,8 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
           ids: list[int] | None = None, length: int | None = None, inputs_file: Path | None = None,
           generate: int = 0, inject: str | None = None, diagnose: bool = True, checkpoint: Path | None = None,
           adapter_dirs=(), progress: Callable[[str], None] | None = None, provider: str | None = None,
-          maps: list[str] | dict[str, str] = ()) -> Report:
+          maps: list[str] | dict[str, str] = (), stream: bool | None = None, device: str = "cpu",
+          candidate_device: str | None = None, on_layer: Callable[[str, int, int], None] | None = None) -> Report:
     """Compare ``candidate`` against ``reference``; returns the report (truthy when parity holds).
 
     ``inject`` runs a neutral candidate with a catalogued porting mistake applied (parity bugs);
@@ -405,6 +528,9 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     ``provider`` (an onnxruntime execution provider) and ``maps`` ("POINT=VALUE": the graph value a
     capture point is read from) apply to ONNX candidates. With several inputs (``inputs_file``), each
     point keeps its worst result and the diagnosis looks at the input where the first divergence was seen.
+    ``stream`` reads the models' weights a layer at a time (None: when they would not fit in memory);
+    ``device`` runs the reference there ("cpu", "cuda", "cuda:N", "mps", "auto"), ``candidate_device`` the
+    candidate (default: the same); ``on_layer(model, done, total)`` reports each model's progress.
     """
     from . import bugs
 
@@ -431,6 +557,10 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
             raise ParityError(f"--reference {reference}: no weights; give a Hugging Face checkpoint directory")
         all_inputs = select_inputs(ckpt, prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
     kind = candidate_kind(Path(candidate))
+    device = resolve_device(device)
+    candidate_device = resolve_device(candidate_device) if candidate_device else device
+    if candidate_device == "auto":  # spreading over GPUs is for transformers models; the executor takes one
+        candidate_device = resolve_device("cuda") if device_count() else "cpu"
     if inject and kind != "neutral":
         raise ParityError(f"--inject needs a neutral candidate (the executor runs the mistake); {candidate} is {kind}")
     if isolate and kind in CANDIDATES and not CANDIDATES[kind][2]:
@@ -445,7 +575,12 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
                     candidate={"kind": kind, "path": str(candidate)}, dtype=dtype,
                     mode="isolated" if isolate else "free", layerwise=layerwise, calibrated=calibrate)
     runs = []
-    models = Models(adapter_dirs)
+    if stream is None:
+        stream = golden is None and would_not_fit(ckpt, Path(candidate), kind, dtype, calibrate, device,
+                                                  candidate_device)
+        if stream and progress:
+            progress("the models do not fit in memory: streaming their weights a layer at a time")
+    models = Models(adapter_dirs, stream=stream, device=device, candidate_device=candidate_device)
     models.options = _candidate_options(kind, provider, maps, layerwise)
     kept_by_run: dict[int, dict] = {}  # the tensors a diagnosis needs, for each input that failed
     for k, inputs in enumerate(all_inputs):
@@ -453,7 +588,7 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
         report.warnings += [w for w in warnings if w not in report.warnings]
         kept: dict = {"ids": inputs.ids}
         results, logits = _check_once(models, ckpt, Path(candidate), kind, inputs.ids, dtype, layerwise, isolate,
-                                      calibrate, tolerances, progress, inject, kept, golden, k)
+                                      calibrate, tolerances, progress, inject, kept, golden, k, on_layer)
         failing = [p for p in results if p.compared and not p.passed]
         for p in results:
             p.run = k
@@ -618,36 +753,44 @@ class LayerInputs:
         with self.ready:
             self.ready.wait_for(lambda: i in self.values or self.closed)
             ref = self.values.pop(i, None)
-        return x if ref is None else ref.to(x.dtype)
+        return x if ref is None else ref.to(x.device, x.dtype)
 
 
 def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor, dtype: str, layerwise: bool,
                 isolate: bool, calibrate: bool, tolerances: Tolerances, progress: Callable[[str], None] | None,
                 inject: str | None = None, kept: dict | None = None, golden=None,
-                run_index: int = 0) -> tuple[list[PointResult], dict | None]:
+                run_index: int = 0, on_layer: Callable[[str, int, int], None] | None = None
+                ) -> tuple[list[PointResult], dict | None]:
     """One prompt. ``kept`` (when given) receives the two sides' tensors at the first failing point and
     the final output, for the diagnosis. With a ``golden``, its run ``run_index`` is the reference."""
     say = progress or (lambda message: None)
     low = DTYPES[dtype]
     wanted = _forward_names(ckpt, layerwise, isolate)
-    input_of = layer_inputs(ckpt.resolved.num_layers)
+    n_layers = ckpt.resolved.num_layers
+    input_of = layer_inputs(n_layers)
     noise_inputs = LayerInputs() if isolate else None
+    # each stream emits only what is compared (and, isolating, what feeds a layer): nothing else is held
+    needed = set(wanted) | (set(input_of) if isolate else set())
+
+    def layer_done(label: str) -> Callable[[int], None] | None:
+        return None if on_layer is None else (lambda i: on_layer(label, i + 1, n_layers))
     # the reference at float32 is the truth; calibration adds the reference at the candidate's dtype
     # (or float64 for a float32 check): their distance is each point's own precision noise. An isolated
     # check calibrates in isolation too: the noisy reference's layers are fed the float32 reference's inputs,
     # so each point's noise is one layer's, not the noise accumulated over the layers before it.
     if golden is not None:  # stored activations (and noise), in place of transformers
         wanted = [n for n in wanted if n in golden.points]
-        streams = {"reference": Stream(golden.runner(run_index), "golden")}
+        streams = {"reference": Stream(only(golden.runner(run_index), needed), "golden")}
     else:
         say("loading the reference")
-        streams = {"reference": Stream(hf_runner(models, ckpt, torch.float32, ids), "reference")}
+        streams = {"reference": Stream(hf_runner(models, ckpt, torch.float32, ids, points=needed,
+                                                 on_layer=layer_done("reference")), "reference")}
     if calibrate and golden is None:
         other = torch.float64 if low == torch.float32 else low
         say(f"loading the reference at {str(other).removeprefix('torch.')} for calibration")
         feed_noise = noise_inputs.feed if noise_inputs is not None else None
-        streams["noise"] = Stream(hf_runner(models, ckpt, other, ids, feed_noise, "calibration"),
-                                  "reference (calibration)")
+        streams["noise"] = Stream(hf_runner(models, ckpt, other, ids, feed_noise, "calibration", points=needed,
+                                            on_layer=layer_done("calibration")), "reference (calibration)")
 
     last_reference_out: dict[int, torch.Tensor] = {}
     results: list[PointResult] = []
@@ -655,17 +798,24 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     wanted_set = set(wanted)
 
     def feed(i: int, x: torch.Tensor) -> torch.Tensor:
-        ref = last_reference_out.get(i)
-        return x if ref is None else ref.to(x.dtype)
+        ref = last_reference_out.pop(i, None)
+        return x if ref is None else ref.to(x.device, x.dtype)
+
+    candidate_done = layer_done("candidate")
 
     def on_point(name: str, got: torch.Tensor) -> None:
         nonlocal logits
-        if name not in wanted_set and name not in input_of:
+        if candidate_done is not None and input_of.get(name, 0) > 0:  # layers.{i}.out: layer i is done
+            candidate_done(input_of[name] - 1)
+        if name not in needed:
             return
         ref = streams["reference"].get(name)
         noisy = streams["noise"].get(name) if "noise" in streams else None
         if ref is None:
             return
+        if ref.device != got.device:  # models on different devices are compared where the candidate is
+            ref = ref.to(got.device)
+            noisy = None if noisy is None else noisy.to(got.device)
         if isolate and name in input_of:
             last_reference_out[input_of[name]] = ref
             noise_inputs.put(input_of[name], ref)
@@ -681,8 +831,8 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
         results.append(result)
         if kept is not None and (name in ("logits", "final_norm") or
                                  (not result.passed and not any(not p.passed for p in results[:-1]))):
-            kept.setdefault("candidate", {})[name] = got.clone()
-            kept.setdefault("reference", {})[name] = ref.clone()
+            kept.setdefault("candidate", {})[name] = got.detach().to("cpu", copy=True)
+            kept.setdefault("reference", {})[name] = ref.detach().to("cpu", copy=True)
         if name == "logits":
             logits = logit_metrics(got, ref)
         if name.endswith(".out"):

@@ -85,12 +85,21 @@ def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
 class NeutralModel:
     """Runs a neutral checkpoint. ``model(ids, on_point=...)`` returns logits (or the last hidden state)."""
 
-    def __init__(self, manifest: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
+    def __init__(self, manifest: dict, tensors, dtype: torch.dtype | None = None, device: str = "cpu"):
+        """``tensors``: every tensor by name, or a source that reads them when used (parity.lazy.NeutralSource:
+        ``resident()``, ``layer(i)``, ``rows(name, ids)``, ``row_chunks(name, dtype)``), which holds one layer's
+        weights at a time, reads only the embedding rows a prompt uses and applies the head in chunks."""
         self.m = manifest
         self.dtype = dtype or getattr(torch, manifest["dtype"])
+        self.device = torch.device(device)
         # tensors stored in float32 in a lower-precision model (a float32 router) stay float32
-        kept = {k for k, info in manifest["tensors"].items() if info["dtype"] != manifest["dtype"]}
-        self.w = {k: v if k in kept else v.to(self.dtype) for k, v in tensors.items()}
+        self.kept = {k for k, info in manifest["tensors"].items() if info["dtype"] != manifest["dtype"]}
+        self.source = None if isinstance(tensors, dict) else tensors
+        resident = tensors if self.source is None else self.source.resident()
+        self.w = {k: self._cast(k, v) for k, v in resident.items()}
+
+    def _cast(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device, x.dtype if name in self.kept else self.dtype)
 
     @classmethod
     def load(cls, path, dtype: torch.dtype | None = None) -> "NeutralModel":
@@ -101,7 +110,26 @@ class NeutralModel:
 
     def layer_weights(self, i: int) -> dict[str, torch.Tensor]:
         prefix = f"layers.{i}."
+        if self.source is not None:  # read now, dropped when the layer is done
+            return {k: self._cast(prefix + k, v) for k, v in self.source.layer(i).items()}
         return {k[len(prefix):]: v for k, v in self.w.items() if k.startswith(prefix)}
+
+    def lookup(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of ``ids``: only those rows are read when streaming."""
+        if self.source is None or name in self.w:
+            return F.embedding(ids, self.w[name])
+        used, inverse = torch.unique(ids, return_inverse=True)
+        return F.embedding(inverse, self._cast(name, self.source.rows(name, used.cpu())))
+
+    def vocab_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T (+ bias) for a [V, D] weight; streamed, W is read and applied a chunk of rows at a time."""
+        if self.source is None or name in self.w:
+            return F.linear(x, self.w[name], bias)
+        rows = self.source.shape(name)[0]
+        out = x.new_empty(*x.shape[:-1], rows)
+        for a, w in self.source.row_chunks(name, self.dtype, self.device):
+            out[..., a:a + w.shape[0]] = F.linear(x, w, None if bias is None else bias[a:a + w.shape[0]])
+        return out
 
     def _norm(self, x: torch.Tensor, spec: dict | None, w: dict, name: str) -> torch.Tensor:
         return x if spec is None else norm(x, spec, w.get(f"{name}.weight"), w.get(f"{name}.bias"))
@@ -110,16 +138,16 @@ class NeutralModel:
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
         e = self.m["embedding"]
-        x = F.embedding(ids, self.w["embed.tokens.weight"])                          # [B, S, D]
+        x = self.lookup("embed.tokens.weight", ids)                                   # [B, S, D]
         if e["scale"] != 1.0:
             # in the model dtype where the family does so (Gemma: sqrt(D) rounded to bf16 first)
             scale = torch.tensor(e["scale"], dtype=self.dtype if e["scale_dtype"] == "model" else torch.float32)
             x = (x * scale).to(self.dtype)
         if e["positions"] == "learned":
-            x = x + F.embedding(positions, self.w["embed.positions.weight"])
+            x = x + self.lookup("embed.positions.weight", positions)
         if e["token_types"]:
             types = token_types if token_types is not None else torch.zeros_like(ids)
-            x = x + F.embedding(types, self.w["embed.token_types.weight"])
+            x = x + self.lookup("embed.token_types.weight", types)
         return self._norm(x, e["norm"], self.w, "embed.norm")
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
@@ -128,7 +156,7 @@ class NeutralModel:
         if spec is None:
             return None
         n, p = self.m["num_layers"], spec["size"]
-        tok = F.embedding(ids, self.w["embed.per_layer_tokens.weight"])              # [B, S, L*P]
+        tok = self.lookup("embed.per_layer_tokens.weight", ids)                       # [B, S, L*P]
         tok = (tok * torch.tensor(spec["scale"], dtype=self.dtype)).reshape(*ids.shape, n, p)
         proj = F.linear(x, self.w["embed.per_layer_projection.weight"])              # [B, S, L*P]
         proj = proj * torch.tensor(spec["projection_scale"], dtype=self.dtype)
@@ -139,16 +167,16 @@ class NeutralModel:
 
     def mask(self, s: int, att: dict) -> torch.Tensor:
         """Additive [S, S] mask: causal and/or sliding window (key j visible from i when i - j < window)."""
-        i = torch.arange(s)[:, None]
-        j = torch.arange(s)[None, :]
-        allowed = torch.ones(s, s, dtype=torch.bool)
+        i = torch.arange(s, device=self.device)[:, None]
+        j = torch.arange(s, device=self.device)[None, :]
+        allowed = torch.ones(s, s, dtype=torch.bool, device=self.device)
         if att["causal"]:
             allowed &= j <= i
         if att["sliding_window"]:
             allowed &= (i - j) < att["sliding_window"]
             if not att["causal"]:
                 allowed &= (j - i) < att["sliding_window"]
-        return torch.zeros(s, s).masked_fill(~allowed, float("-inf"))
+        return torch.zeros(s, s, device=self.device).masked_fill(~allowed, float("-inf"))
 
     def attention(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor,
                   shared: dict, i: int) -> torch.Tensor:
@@ -259,8 +287,8 @@ class NeutralModel:
         if head["transform"] is not None:  # BERT's MLM head: dense, activation, LayerNorm
             x = ACTIVATIONS[head["transform"]["activation"]](linear(x, self.w, "head.transform"))
             x = self._norm(x, head["transform"]["norm"], self.w, "head.norm")
-        weight = self.w["embed.tokens.weight"] if head["tied"] else self.w["lm_head.weight"]
-        logits = F.linear(x, weight, self.w.get("head.bias"))                        # [B, S, V]
+        weight = "embed.tokens.weight" if head["tied"] else "lm_head.weight"
+        logits = self.vocab_linear(x, weight, self.w.get("head.bias"))               # [B, S, V]
         return softcap(logits, head["softcap"])
 
     @torch.no_grad()
@@ -270,8 +298,8 @@ class NeutralModel:
         how a parity check isolates each layer from the error of the layers before it."""
         emit = on_point or (lambda name, t: None)
         feed = feed or (lambda i, x: x)
-        ids = ids if ids.dim() == 2 else ids[None]
-        positions = torch.arange(ids.shape[1])
+        ids = (ids if ids.dim() == 2 else ids[None]).to(self.device)
+        positions = torch.arange(ids.shape[1], device=self.device)
         x = self.embed(ids, positions, token_types)
         per_layer = self.per_layer_inputs(ids, x)
         emit("embed", x)

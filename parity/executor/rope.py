@@ -196,7 +196,7 @@ def cos_sin(rope: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     by_length = (rope.get("scaling") or {}).get("rope_type") in LENGTH_DEPENDENT
     seq_len = int(positions.max()) + 1 if by_length and positions.numel() else None
     inv, attention = inv_freq(rope, seq_len)
-    angles = positions[:, None].float() * inv[None, :]                          # [S, r/2]
+    angles = positions[:, None].float() * inv[None, :].to(positions.device)     # [S, r/2]
     if rope["style"] == "half":
         angles = torch.cat((angles, angles), dim=-1)                             # [S, r]
     else:
