@@ -341,10 +341,13 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
               help="Where the reference runs: cpu, cuda, cuda:N, mps, or auto (every GPU, else the CPU).")
 @click.option("--candidate-device", default=None, metavar="DEVICE",
               help="Where the candidate runs (parity's executor, a Hugging Face candidate); default: --device.")
+@click.option("--layers", "layer_span", default=None, metavar="A:B",
+              help="Check only layers [A, B), fed the reference's (a golden's) input to layer A; join the slices' "
+                   "JSON reports with `parity report merge`.")
 @adapters_option
 def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
               tolerance, report_paths, junit, generate, per_layer, inject, checkpoint, provider, maps, stream, device,
-              candidate_device, adapter_dirs):
+              candidate_device, layer_span, adapter_dirs):
     """Compare a candidate against the reference, point by point; exit 0 pass, 1 fail, 2 no verdict.
 
     \b
@@ -362,7 +365,7 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
                         inputs_file=inputs_file, generate=generate, adapter_dirs=adapter_dirs, per_layer=per_layer,
                         report_paths=report_paths, junit=junit, run=check, checkpoint=checkpoint, inject=inject,
                         provider=provider, maps=list(maps), stream=stream, device=device,
-                        candidate_device=candidate_device, layers_progress=True)
+                        candidate_device=candidate_device, layers=layer_span, layers_progress=True)
     sys.exit(report.exit_code)
 
 

@@ -31,6 +31,14 @@ def capture_names(num_layers: int, *, final_norm: bool, logits: bool) -> list[st
     return names
 
 
+def layer_of(name: str) -> int | None:
+    """The layer index of a point inside a layer (layers.{i}.*), else None."""
+    if name.startswith("layers."):
+        index = name.split(".", 2)[1]
+        return int(index) if index.isdigit() else None
+    return None
+
+
 def point_order(name: str) -> tuple:
     """Sort key putting concrete capture points (and finer points below them) in forward order."""
     if name.startswith("layers."):

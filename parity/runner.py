@@ -255,9 +255,11 @@ class Models:
 
 
 def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
-              role: str = "reference", points: set[str] | None = None, on_layer: Callable[[int], None] | None = None):
+              role: str = "reference", points: set[str] | None = None, on_layer: Callable[[int], None] | None = None,
+              last: int | None = None):
     """A function that runs a transformers checkpoint and emits its capture points (only ``points``, when
-    given: nothing else is hooked, so nothing else is held). ``on_layer(i)`` is told when layer i is done."""
+    given: nothing else is hooked, so nothing else is held). ``on_layer(i)`` is told when layer i is done;
+    with ``last``, the forward stops after that layer (a slice of a check needs nothing beyond it)."""
     model = models.hf(ckpt, dtype, role)
     capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
     layer_paths = {c.name: c.module for c in ckpt.resolved.capture}
@@ -273,13 +275,26 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
                 for i in range(ckpt.resolved.num_layers):
                     module = model.get_submodule(layer_paths[f"layers.{i}.out"])
                     handles.append(module.register_forward_hook(lambda *_, i=i: on_layer(i)))
+            if last is not None:
+                module = model.get_submodule(layer_paths[f"layers.{last}.out"])
+                handles.append(module.register_forward_hook(_stop))
             try:
                 model(input_ids=ids.to(_first_device(model, device)))
+            except _Enough:
+                pass
             finally:
                 for h in handles:
                     h.remove()
 
     return run
+
+
+class _Enough(Exception):
+    """Raised after the last layer a slice needs: the rest of the forward is not run."""
+
+
+def _stop(*_) -> None:
+    raise _Enough
 
 
 def _first_device(model, device: str) -> torch.device:
@@ -290,11 +305,11 @@ def _first_device(model, device: str) -> torch.device:
 
 
 def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
-                   inject: str | None = None):
+                   inject: str | None = None, layers: range | None = None):
     model = models.neutral(path, dtype, inject)
 
     def run(emit: Emit) -> None:
-        model(ids, on_point=emit, feed=feed)
+        model(ids, on_point=emit, feed=feed, layers=layers)
 
     return run
 
@@ -499,6 +514,46 @@ def exercised(ckpt: Checkpoint, n: int) -> tuple[dict, list[str]]:
 # The check
 
 
+@dataclass(frozen=True)
+class Span:
+    """The layers [start, stop) of ``of`` that a check covers (--layers A:B); a slice starts from the
+    reference's input to layer ``start`` and compares only its own points (embed with the first layer, the
+    final points with the last)."""
+
+    start: int
+    stop: int
+    of: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.of
+
+    def holds(self, point: str) -> bool:
+        layer = names.layer_of(point)
+        if layer is not None:
+            return self.start <= layer < self.stop
+        return self.start == 0 if point == "embed" else self.stop == self.of
+
+    def to_json(self) -> dict:
+        return {"start": self.start, "stop": self.stop, "of": self.of}
+
+
+def parse_layers(spec: str | None, num_layers: int) -> Span:
+    """'A:B' (either side may be left out), checked against the model's layer count."""
+    if spec is None:
+        return Span(0, num_layers, num_layers)
+    first, sep, last = str(spec).partition(":")
+    try:
+        start = int(first) if first.strip() else 0
+        stop = int(last) if last.strip() else num_layers
+    except ValueError:
+        start = stop = -1
+    if not sep or not 0 <= start < stop <= num_layers:
+        raise ParityError(f"--layers {spec!r}: expected A:B with 0 <= A < B <= {num_layers} (the model's layers), "
+                          f"e.g. --layers 0:{max(1, num_layers // 2)}")
+    return Span(start, stop, num_layers)
+
+
 def _forward_names(ckpt: Checkpoint, layerwise: bool, isolate: bool = False) -> list[str]:
     """The points a check compares: every one (--layerwise), else the final output; an isolated check also
     compares what each layer hands on (embed, layers.{i}.out), since fed the reference's inputs, a layer whose
@@ -519,7 +574,8 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
           generate: int = 0, inject: str | None = None, diagnose: bool = True, checkpoint: Path | None = None,
           adapter_dirs=(), progress: Callable[[str], None] | None = None, provider: str | None = None,
           maps: list[str] | dict[str, str] = (), stream: bool | None = None, device: str = "cpu",
-          candidate_device: str | None = None, on_layer: Callable[[str, int, int], None] | None = None) -> Report:
+          candidate_device: str | None = None, on_layer: Callable[[str, int, int], None] | None = None,
+          layers: str | None = None) -> Report:
     """Compare ``candidate`` against ``reference``; returns the report (truthy when parity holds).
 
     ``inject`` runs a neutral candidate with a catalogued porting mistake applied (parity bugs);
@@ -531,6 +587,8 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     ``stream`` reads the models' weights a layer at a time (None: when they would not fit in memory);
     ``device`` runs the reference there ("cpu", "cuda", "cuda:N", "mps", "auto"), ``candidate_device`` the
     candidate (default: the same); ``on_layer(model, done, total)`` reports each model's progress.
+    ``layers`` "A:B" checks only layers [A, B), starting from the reference's input to layer A (a golden's
+    ``layers.{A-1}.out``); ``parity report merge`` joins the slices' reports.
     """
     from . import bugs
 
@@ -566,6 +624,9 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     if isolate and kind in CANDIDATES and not CANDIDATES[kind][2]:
         raise ParityError(f"--isolate: a {kind} candidate ({candidate}) cannot be fed the reference's layer inputs; "
                           f"drop --isolate")
+    span = parse_layers(layers, ckpt.resolved.num_layers)
+    if not span.whole:
+        _check_span(span, ckpt, golden, kind, generate, Path(candidate))
     if golden is None:
         _refuse_mismatched(ckpt, "--reference")
     if kind == "transformers":  # a candidate of an unknown family, or with wrong tensors, is refused now, not later
@@ -574,6 +635,8 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
                     reference=golden.describe() if golden else {"kind": "transformers", "path": str(reference)},
                     candidate={"kind": kind, "path": str(candidate)}, dtype=dtype,
                     mode="isolated" if isolate else "free", layerwise=layerwise, calibrated=calibrate)
+    if not span.whole:
+        report.layers = span.to_json()
     runs = []
     if stream is None:
         stream = golden is None and would_not_fit(ckpt, Path(candidate), kind, dtype, calibrate, device,
@@ -588,7 +651,7 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
         report.warnings += [w for w in warnings if w not in report.warnings]
         kept: dict = {"ids": inputs.ids}
         results, logits = _check_once(models, ckpt, Path(candidate), kind, inputs.ids, dtype, layerwise, isolate,
-                                      calibrate, tolerances, progress, inject, kept, golden, k, on_layer)
+                                      calibrate, tolerances, progress, inject, kept, golden, k, on_layer, span)
         failing = [p for p in results if p.compared and not p.passed]
         for p in results:
             p.run = k
@@ -625,6 +688,24 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
         if gen["first_difference"] is not None:
             report.warnings.append(f"greedy generation differs from token {gen['first_difference']} of {generate}")
     return report
+
+
+def _check_span(span: Span, ckpt: Checkpoint, golden, kind: str, generate: int, candidate: Path) -> None:
+    """A slice runs from the reference's input to its first layer: refuse what cannot give one."""
+    if generate:
+        raise ParityError("--generate needs the whole model; drop --layers")
+    entry = "embed" if span.start == 0 else f"layers.{span.start - 1}.out"
+    if golden is not None and span.start > 0 and entry not in golden.points:
+        raise ParityError(f"--layers {span.start}:{span.stop}: the golden does not hold {entry}, the input of layer "
+                          f"{span.start}; record it with --points all or --points layers")
+    if kind == "neutral":
+        from .neutral import read_manifest
+
+        for i, layer in enumerate(read_manifest(candidate)["layers"][span.start:span.stop], span.start):
+            source = layer["attention"].get("kv_shared_from")
+            if source is not None and source < span.start:
+                raise ParityError(f"--layers {span.start}:{span.stop}: layer {i} reuses the keys and values of "
+                                  f"layer {source}; start the slice at {source} or earlier")
 
 
 def _refuse_mismatched(ckpt: Checkpoint, role: str) -> None:
@@ -759,18 +840,26 @@ class LayerInputs:
 def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor, dtype: str, layerwise: bool,
                 isolate: bool, calibrate: bool, tolerances: Tolerances, progress: Callable[[str], None] | None,
                 inject: str | None = None, kept: dict | None = None, golden=None,
-                run_index: int = 0, on_layer: Callable[[str, int, int], None] | None = None
-                ) -> tuple[list[PointResult], dict | None]:
+                run_index: int = 0, on_layer: Callable[[str, int, int], None] | None = None,
+                span: Span | None = None) -> tuple[list[PointResult], dict | None]:
     """One prompt. ``kept`` (when given) receives the two sides' tensors at the first failing point and
     the final output, for the diagnosis. With a ``golden``, its run ``run_index`` is the reference."""
     say = progress or (lambda message: None)
     low = DTYPES[dtype]
-    wanted = _forward_names(ckpt, layerwise, isolate)
     n_layers = ckpt.resolved.num_layers
+    span = span or Span(0, n_layers, n_layers)
+    # a slice compares what each of its layers hands on, like an isolated check: its layers are all it tests
+    wanted = [p for p in _forward_names(ckpt, layerwise, isolate or not span.whole) if span.holds(p)]
     input_of = layer_inputs(n_layers)
-    noise_inputs = LayerInputs() if isolate else None
-    # each stream emits only what is compared (and, isolating, what feeds a layer): nothing else is held
-    needed = set(wanted) | (set(input_of) if isolate else set())
+    # the layers fed the reference's input: every one when isolating, else a slice's first (when the candidate
+    # can be fed: a dump or a graph runs from its own start)
+    feedable = kind not in CANDIDATES or CANDIDATES[kind][2]
+    feeding = set(range(n_layers + 1)) if isolate else ({span.start} if span.start > 0 and feedable else set())
+    entry = next((p for p, i in input_of.items() if i == span.start), None) if span.start > 0 else None
+    noise_inputs = LayerInputs() if feeding else None
+    # each stream emits only what is compared (and what feeds a layer): nothing else is held
+    needed = set(wanted) | {p for p, i in input_of.items() if i in feeding}
+    last = span.stop - 1 if span.stop < n_layers else None  # the models stop after the slice
 
     def layer_done(label: str) -> Callable[[int], None] | None:
         return None if on_layer is None else (lambda i: on_layer(label, i + 1, n_layers))
@@ -784,13 +873,14 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     else:
         say("loading the reference")
         streams = {"reference": Stream(hf_runner(models, ckpt, torch.float32, ids, points=needed,
-                                                 on_layer=layer_done("reference")), "reference")}
+                                                 on_layer=layer_done("reference"), last=last), "reference")}
     if calibrate and golden is None:
         other = torch.float64 if low == torch.float32 else low
         say(f"loading the reference at {str(other).removeprefix('torch.')} for calibration")
-        feed_noise = noise_inputs.feed if noise_inputs is not None else None
+        feed_noise = (lambda i, x: noise_inputs.feed(i, x) if i in feeding else x) if noise_inputs else None
         streams["noise"] = Stream(hf_runner(models, ckpt, other, ids, feed_noise, "calibration", points=needed,
-                                            on_layer=layer_done("calibration")), "reference (calibration)")
+                                            on_layer=layer_done("calibration"), last=last),
+                                  "reference (calibration)")
 
     last_reference_out: dict[int, torch.Tensor] = {}
     results: list[PointResult] = []
@@ -798,7 +888,13 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     wanted_set = set(wanted)
 
     def feed(i: int, x: torch.Tensor) -> torch.Tensor:
+        if i not in feeding:
+            return x
         ref = last_reference_out.pop(i, None)
+        if ref is None and i == span.start and entry is not None:  # the candidate skipped the layers before
+            ref = streams["reference"].get(entry)
+            if noise_inputs is not None and ref is not None:
+                noise_inputs.put(i, ref)
         return x if ref is None else ref.to(x.device, x.dtype)
 
     candidate_done = layer_done("candidate")
@@ -816,7 +912,7 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
         if ref.device != got.device:  # models on different devices are compared where the candidate is
             ref = ref.to(got.device)
             noisy = None if noisy is None else noisy.to(got.device)
-        if isolate and name in input_of:
+        if input_of.get(name) in feeding:
             last_reference_out[input_of[name]] = ref
             noise_inputs.put(input_of[name], ref)
         if name not in wanted_set:
@@ -840,13 +936,14 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
 
     say(f"running the candidate ({kind})")
     try:  # the reference streams are running: whatever happens, let them finish
+        fed = feed if feeding else None
         if kind in CANDIDATES:
-            run = CANDIDATES[kind][1](models, candidate, low, ids, feed if isolate else None, ckpt)
+            run = CANDIDATES[kind][1](models, candidate, low, ids, fed, ckpt)
         elif kind == "neutral":
-            run = neutral_runner(models, candidate, low, ids, feed if isolate else None, inject)
+            run = neutral_runner(models, candidate, low, ids, fed, inject, range(span.start, span.stop))
         else:
-            run = hf_runner(models, open_checkpoint(candidate, models.adapter_dirs), low, ids,
-                            feed if isolate else None, "candidate")
+            run = hf_runner(models, open_checkpoint(candidate, models.adapter_dirs), low, ids, fed, "candidate",
+                            last=last)
         run(on_point)
     finally:
         if noise_inputs is not None:

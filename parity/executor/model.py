@@ -293,9 +293,11 @@ class NeutralModel:
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, on_point: OnPoint | None = None, token_types: torch.Tensor | None = None,
-                 feed: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                 feed: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+                 layers: range | None = None) -> torch.Tensor:
         """Run the model. ``feed(i, x)`` may replace layer i's input (i = num_layers: the head's), which is
-        how a parity check isolates each layer from the error of the layers before it."""
+        how a parity check isolates each layer from the error of the layers before it. ``layers``: run only
+        these (a slice of a check: the first is fed its input; the output of the last is returned)."""
         emit = on_point or (lambda name, t: None)
         feed = feed or (lambda i, x: x)
         ids = (ids if ids.dim() == 2 else ids[None]).to(self.device)
@@ -304,8 +306,11 @@ class NeutralModel:
         per_layer = self.per_layer_inputs(ids, x)
         emit("embed", x)
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i in range(self.m["num_layers"]):
+        span = layers if layers is not None else range(self.m["num_layers"])
+        for i in span:
             x = self.layer(feed(i, x), i, positions, shared, per_layer, emit)
+        if span.stop < self.m["num_layers"]:
+            return x
         x = feed(self.m["num_layers"], x)
         if self.m["final_norm"] is not None:
             x = self._norm(x, self.m["final_norm"], self.w, "final_norm")
