@@ -144,7 +144,8 @@ def _qk_per_head(m: dict, t: Tensors) -> None:
             att["qk_norm"] = "per_head"  # statistics per head; the full-width weight laid out per head
             for key, heads in (("q_norm", att["heads"]), ("k_norm", att["kv_heads"])):
                 name = f"layers.{i}.attn.{key}.weight"
-                t[name] = t[name].reshape(heads, att["head_dim"])
+                if name in t:
+                    t[name] = t[name].reshape(heads, att["head_dim"])
 
 
 def _v_dropped(m: dict, t: Tensors) -> None:
@@ -224,7 +225,8 @@ def _conv1d(m: dict) -> list[str]:
 
 def _conv1d_not_transposed(m: dict, t: Tensors) -> None:
     for name in _conv1d(m):  # square Conv1D weights used as stored: W^T (the others would not even load)
-        t[name] = t[name].t().contiguous()
+        if name in t:  # (the diagnosis may hold one layer's tensors only)
+            t[name] = t[name].t().contiguous()
 
 
 def _untied(m: dict, t: Tensors) -> None:

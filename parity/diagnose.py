@@ -48,27 +48,79 @@ def position_evidence(candidate: torch.Tensor, reference: torch.Tensor, toleranc
     return f"; the error starts at position {first} of {c.shape[0]} (earlier positions agree)"
 
 
+def _one_layer(reference_dir: Path, layer: int, adapter_dirs) -> tuple[dict, dict] | None:
+    """The reference's manifest and only what layer ``layer`` reads (its tensors and the small ones outside the
+    layers), converted without reading the rest; None where a layer needs more (another layer's keys and
+    values, per-layer inputs computed from the embedding)."""
+    from .checkpoint import open_checkpoint
+    from .neutral import build_manifest, neutral_subset
+
+    ckpt = open_checkpoint(Path(reference_dir), adapter_dirs)
+    style = ckpt.resolved["positions.rope_style"]
+    manifest = build_manifest(ckpt, torch.float32, style, hashes=False)
+    spec = manifest["layers"][layer]
+    if spec["attention"].get("kv_shared_from") is not None or spec.get("per_layer_input") is not None:
+        return None
+    large = ("embed.tokens.weight", "embed.per_layer_tokens.weight", "lm_head.weight")
+    own = f"layers.{layer}."
+    tensors = neutral_subset(ckpt, manifest, lambda n: n.startswith(own) or
+                             (not n.startswith("layers.") and n not in large))
+    return manifest, tensors
+
+
+def _run_layer(manifest: dict, tensors: dict, dtype: torch.dtype, layer: int, x: torch.Tensor,
+               wanted: set[str]) -> dict:
+    from .executor.model import NeutralModel
+
+    got: dict[str, torch.Tensor] = {}
+    model = NeutralModel(manifest, tensors, dtype)
+    positions = torch.arange(x.shape[1])
+    model.layer(x.to(dtype), layer, positions, {}, None,
+                lambda n, t: got.setdefault(n, t.clone()) if n in wanted else None)
+    return got
+
+
 def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[str, torch.Tensor],
              reference: dict[str, torch.Tensor], ids: torch.Tensor, dtype: torch.dtype,
-             families: dict[str, list[str]] | None = None, adapter_dirs=()) -> list[dict]:
+             families: dict[str, list[str]] | None = None, adapter_dirs=(),
+             layer_input: torch.Tensor | None = None) -> list[dict]:
     """Diagnosis entries, most likely first: {"bug", "confidence", "evidence", "residual"}. ``adapter_dirs``: the
-    check's --adapters, so that a family they add is diagnosed too."""
-    from .neutral import convert, load
+    check's --adapters, so that a family they add is diagnosed too.
+
+    With ``layer_input`` (the reference's input to the layer of ``point``), each hypothesis re-runs only that
+    layer, reading only its weights: the diagnosis of a model of any size costs one layer per hypothesis.
+    Otherwise (a point outside the layers) the whole reference is converted and run per hypothesis, and the
+    final output must be reproduced too."""
+    from .names import layer_of
 
     final = next((n for n in ("logits", "final_norm") if n in candidate), None)
-    wanted = {point} | ({final} if final else set())
-    with tempfile.TemporaryDirectory(prefix="parity-diagnose-") as tmp:
-        convert(reference_dir, Path(tmp) / "reference", adapter_dirs=adapter_dirs)
-        manifest, tensors = load(Path(tmp) / "reference")
+    layer = layer_of(point)
+    local = _one_layer(reference_dir, layer, adapter_dirs) if layer is not None and layer_input is not None else None
+    if local is not None:
+        manifest, tensors = local
+        wanted = {point}
+        run = lambda m, t: _run_layer(m, t, dtype, layer, layer_input, wanted)  # noqa: E731
+    else:
+        from .neutral import convert, load
+
+        wanted = {point} | ({final} if final else set())
+        with tempfile.TemporaryDirectory(prefix="parity-diagnose-") as tmp:
+            convert(reference_dir, Path(tmp) / "reference", adapter_dirs=adapter_dirs)
+            manifest, tensors = load(Path(tmp) / "reference")
+        run = lambda m, t: _run(m, t, dtype, ids, wanted)  # noqa: E731
     baseline = _rel(candidate[point], reference[point])
     where = point.replace("layers.", "layer ").replace(".", " ")
     scored = []
     for bug in bugs.applicable(manifest):
-        m, t = bugs.inject(bug.id, manifest, tensors)
-        got = _run(m, t, dtype, ids, wanted)
+        try:
+            m, t = bugs.inject(bug.id, manifest, tensors)
+        except KeyError:  # a mistake in tensors this layer does not read (the head, the embedding): not here
+            continue
+        got = run(m, t)
         if point not in got:
             continue
-        residual = max([_rel(candidate[point], got[point])] + ([_rel(candidate[final], got[final])] if final in got else []))
+        residual = max([_rel(candidate[point], got[point])] + ([_rel(candidate[final], got[final])]
+                                                               if final in got and final in wanted else []))
         scored.append((residual, bug))
     scored.sort(key=lambda x: x[0])
     evidence_tail = position_evidence(candidate[point], reference[point], tolerance)

@@ -139,8 +139,10 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
     }
 
 
-def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix: str | None = None) -> dict:
-    """Every convention of the checkpoint as explicit values, and the tensors it becomes (files: by convert)."""
+def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix: str | None = None,
+                   hashes: bool = True) -> dict:
+    """Every convention of the checkpoint as explicit values, and the tensors it becomes (files: by convert).
+    ``hashes=False`` leaves the source files' sha256 out (a manifest for running, not for writing)."""
     r = ckpt.resolved
     prefix = prefix if prefix is not None else ckpt.variant.tensor_prefix[0]
     layers = [layer_manifest(r, i, rope_style) for i in range(r.num_layers)]
@@ -158,7 +160,7 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix
             "architecture": ckpt.variant.architectures[0],
             "model_type": ckpt.config.get("model_type"),
             "path": str(ckpt.path),
-            "files": {f.name: sha256_file(f) for f in ckpt.files},
+            "files": {f.name: sha256_file(f) for f in ckpt.files} if hashes else {},
         },
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -212,6 +214,27 @@ def to_neutral(t: ResolvedTensor, x: torch.Tensor) -> Iterator[tuple[str, torch.
     if len(parts) != len(t.neutral):
         raise ParityError(f"{t.hf}: makes {len(parts)} tensors for {len(t.neutral)} neutral names; fix the adapter")
     yield from zip(t.neutral, (p.contiguous() for p in parts))
+
+
+def neutral_subset(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The neutral tensors ``keep`` selects, converted from the checkpoint's files without reading the rest
+    (the diagnosis re-runs one layer of a model too big to convert whole)."""
+    from .lazy import TensorFiles
+
+    r = ckpt.resolved
+    files = TensorFiles({name: info.file for name, info in ckpt.tensors.items()})
+    source_style = r["positions.rope_style"]
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, t in r.tensor_map(check_tensors(r, ckpt.tensors).prefix).items():
+        if not any(keep(name) for name, _ in _neutral_shapes(t)):
+            continue
+        for name, y in to_neutral(t, files.read(hf_name)):
+            if keep(name):
+                if name.startswith("layers."):
+                    y = restyle_rope(name, y, manifest["layers"][int(name.split(".")[1])], source_style,
+                                     manifest["rope_style"] or source_style)
+                out[name] = y.to(getattr(torch, manifest["tensors"][name]["dtype"]))
+    return out
 
 
 def _neutral_shapes(t: ResolvedTensor) -> list[tuple[str, tuple[int, ...]]]:

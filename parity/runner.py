@@ -676,7 +676,8 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
         if progress:
             progress("diagnosing")
         report.diagnosis = name_the_bug(source, first.name, first.tolerance.rel_l2, kept["candidate"],
-                                        kept["reference"], kept["ids"], DTYPES[dtype], adapter_dirs=adapter_dirs)
+                                        kept["reference"], kept["ids"], DTYPES[dtype], adapter_dirs=adapter_dirs,
+                                        layer_input=kept.get("layer_input"))
     if generate:
         if report.logits is None and "logits" not in {p.name for p in report.points}:
             raise ParityError("--generate needs a model with an LM head")
@@ -898,6 +899,7 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
         return x if ref is None else ref.to(x.device, x.dtype)
 
     candidate_done = layer_done("candidate")
+    reference_input: dict[int, torch.Tensor] = {}  # the reference's input to the layer being compared
 
     def on_point(name: str, got: torch.Tensor) -> None:
         nonlocal logits
@@ -925,10 +927,16 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
         result = judge(name, metrics(got, ref), tolerances.for_point(name, noise, rounding),
                        noise if noise is None else max(noise, rounding))
         results.append(result)
-        if kept is not None and (name in ("logits", "final_norm") or
-                                 (not result.passed and not any(not p.passed for p in results[:-1]))):
+        first_failure = not result.passed and not any(not p.passed for p in results[:-1])
+        if kept is not None and (name in ("logits", "final_norm") or first_failure):
             kept.setdefault("candidate", {})[name] = got.detach().to("cpu", copy=True)
             kept.setdefault("reference", {})[name] = ref.detach().to("cpu", copy=True)
+        if kept is not None and first_failure and names.layer_of(name) in reference_input:
+            # the diagnosis re-runs only this layer, from the reference's input to it
+            kept["layer_input"] = reference_input[names.layer_of(name)].detach().to("cpu", copy=True)
+        if input_of.get(name) is not None:  # only the latest layer input is held
+            reference_input.clear()
+            reference_input[input_of[name]] = ref
         if name == "logits":
             logits = logit_metrics(got, ref)
         if name.endswith(".out"):
