@@ -397,7 +397,8 @@ def record(reference: Path, out: Path, *, prompt: str | None = None, ids: list[i
         "capture_points": selected,
         "runs": [],
     }
-    models = runner.Models()
+    # a reference too big to hold whole (with its calibration twin) is read a layer at a time
+    models = runner.Models(stream=runner.would_not_fit(ckpt, Path(reference), None, dtype, calibrate, "cpu", "cpu"))
     with atomic.output_dir(Path(out), force=force) as tmp:
         for k, inputs in enumerate(all_inputs):
             say(f"running the reference on input {k + 1} of {len(all_inputs)}")

@@ -200,7 +200,8 @@ def _elements(shapes) -> int:
 def would_not_fit(ckpt: Checkpoint, candidate: Path, kind: str, dtype: str, calibrate: bool, device: str,
                   candidate_device: str) -> bool:
     """Whether the models of a check, held whole, would take more than 80% of the memory free for them: the
-    float32 reference, the candidate at its dtype (when parity runs it) and the calibration reference."""
+    float32 reference, the candidate at its dtype (when parity runs it: ``kind`` neutral or transformers) and
+    the calibration reference."""
     params = _elements(info.shape for info in ckpt.tensors.values())
     need = {device: params * 4}
     if calibrate:
