@@ -467,7 +467,24 @@ BAD_INPUTS: list[Case] = [
          "unknown bug id 'no-such-bug'"),
     Case("--inject with a non-neutral candidate",
          lambda t, b: check(t, b.golden, b.dump, "--inject", "norm-eps-wrong"), "--inject needs a neutral candidate"),
+    Case("--device tpu (unknown)", lambda t, b: check(t, b.checkpoint, b.neutral, "--device", "tpu"),
+         "is not one of cpu, cuda, cuda:N, mps, auto"),
+    Case("--device cuda:7 (no such GPU)", lambda t, b: check(t, b.checkpoint, b.neutral, "--device", "cuda:7"),
+         "--device cuda:7:"),
+    Case("--layers 3:1 (an empty slice)", lambda t, b: check(t, b.checkpoint, b.neutral, "--layers", "3:1"),
+         "expected A:B with 0 <= A < B <="),
+    Case("--layers past the model's layers", lambda t, b: check(t, b.checkpoint, b.neutral, "--layers", "0:99"),
+         "expected A:B with 0 <= A < B <="),
+    Case("--layers with a golden lacking the slice's input", lambda t, b: check(
+        t, *_final_only_golden(t, b), b.neutral, "--layers", "1:2"), "the golden does not hold layers.0.out"),
 ]
+
+
+def _final_only_golden(tmp: Path, b: Built) -> tuple[Path]:
+    from parity.golden import record
+
+    record(b.checkpoint, tmp / "final-golden", points="final")
+    return (tmp / "final-golden",)
 
 
 def markdown_table() -> str:
