@@ -427,6 +427,50 @@ def _parse_id_list(ids: str | None) -> list[int] | None:
         raise ParityError(f"--ids {ids!r}: expected comma-separated integers like 1,2,3") from None
 
 
+@cli.group("report", cls=Group, context_settings=CONTEXT)
+def report_group():
+    """Reports written by `parity check --report FILE.json`.
+
+    \b
+    Example (a model checked as slices, on as many machines):
+      parity check --reference golden/dsv3 --checkpoint ./dsv3 --candidate ./port --layerwise --layers 0:31 --report a.json
+      parity check --reference golden/dsv3 --checkpoint ./dsv3 --candidate ./port --layerwise --layers 31:61 --report b.json
+      parity report merge a.json b.json -o parity.json --junit parity.xml
+    """
+
+
+@report_group.command("merge", context_settings=CONTEXT)
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--output", "report_paths", multiple=True, type=click.Path(path_type=Path),
+              help="Write the merged report (.json, .md or .html by suffix); may be repeated.")
+@click.option("--junit", type=click.Path(path_type=Path), default=None, help="Write JUnit XML, one case per point.")
+@click.option("--per-layer", is_flag=True, help="Show one row per layer instead of one per point.")
+def report_merge_cmd(files, report_paths, junit, per_layer):
+    """Join the JSON reports of `check --layers` slices into one verdict; exit 0 pass, 1 fail, 2 no verdict
+    (a layer no slice covers, slices that overlap or come from different checks)."""
+    import json
+
+    from . import render
+    from .report import Report, merge_slices
+
+    outputs = [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]
+    for path, fmt in outputs:
+        render.check_output(path, fmt)
+    reports = []
+    for file in files:
+        try:
+            data = json.loads(Path(file).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ParityError(f"{file}: cannot read a JSON report ({exc})") from None
+        reports.append((str(file), Report.from_json(data, str(file))))
+    report = merge_slices(reports)
+    render.console(report, _console(), per_layer=per_layer)
+    for path, fmt in outputs:
+        render.write(report, path, fmt)
+        click.echo(f"wrote {path}", err=True)
+    sys.exit(report.exit_code)
+
+
 @cli.group("golden", cls=Group, context_settings=CONTEXT)
 def golden_group():
     """Goldens: reference activations recorded once, so that a port is checked without transformers.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import ParityError
+
 REPORT_VERSION = 1
 
 
@@ -69,6 +71,8 @@ class Report:
     matching: dict | None = None
     # --generate: greedy tokens of both models and the first position where they differ
     generation: dict | None = None
+    # --layers A:B: the slice checked, {"start", "stop", "of"}; None for the whole model
+    layers: dict | None = None
 
     @property
     def failing(self) -> list[PointResult]:
@@ -114,4 +118,99 @@ class Report:
             "warnings": self.warnings,
             "matching": self.matching,
             "generation": self.generation,
+            "layers": self.layers,
         }
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "report") -> Report:
+        """A report read back from its JSON (``parity report merge``); NaN and Inf were written as null."""
+        if not isinstance(data, dict) or data.get("parity_report_version") != REPORT_VERSION:
+            raise ParityError(f"{source}: not a parity report (parity_report_version {REPORT_VERSION}); "
+                              f"give the JSON that `parity check --report FILE.json` wrote")
+        try:
+            points = [PointResult(name=p["name"], max_abs=_float(p["max_abs"]), mean_abs=_float(p["mean_abs"]),
+                                  rel_l2=_float(p["rel_l2"]), cosine=_float(p["cosine"]),
+                                  tolerance=Tolerance(**p["tolerance"]), passed=bool(p["passed"]),
+                                  noise=p.get("noise"), nonfinite=p.get("nonfinite"),
+                                  compared=bool(p.get("compared", True)), run=int(p.get("run", 0)))
+                      for p in data["points"]]
+            return cls(family=data["family"], reference=data["reference"], candidate=data["candidate"],
+                       dtype=data["dtype"], mode=data["mode"], layerwise=bool(data["layerwise"]), points=points,
+                       logits=data.get("logits"), inputs=data.get("inputs") or {},
+                       diagnosis=data.get("diagnosis") or [], calibrated=bool(data.get("calibrated")),
+                       warnings=list(data.get("warnings") or []), matching=data.get("matching"),
+                       generation=data.get("generation"), layers=data.get("layers"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ParityError(f"{source}: a parity report with a missing or malformed field ({exc!r}); "
+                              f"give the JSON that `parity check --report FILE.json` wrote") from None
+
+
+def _float(x) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def merge_slices(reports: list[tuple[str, Report]]) -> Report:
+    """Join the reports of ``--layers`` slices (source name, report) into the report of the whole model: the
+    points in forward order, so that the first divergence is the first in the model. Slices that overlap, or
+    come from different checks, are refused; a layer no slice covers leaves no verdict (ParityError)."""
+    from . import names
+
+    if not reports:
+        raise ParityError("report merge: give the JSON reports of the slices to join")
+    first_source, first = reports[0]
+    for source, r in reports[1:]:
+        for key in ("family", "dtype", "mode", "layerwise", "calibrated"):
+            if getattr(r, key) != getattr(first, key):
+                raise ParityError(f"{source}: {key} {getattr(r, key)!r} differs from {first_source}'s "
+                                  f"{getattr(first, key)!r}; merge the slices of one check")
+        if r.candidate.get("kind") != first.candidate.get("kind"):
+            raise ParityError(f"{source}: a {r.candidate.get('kind')} candidate, {first_source} a "
+                              f"{first.candidate.get('kind')} one; merge the slices of one check")
+        if _run_ids(r) != _run_ids(first):
+            raise ParityError(f"{source}: checked other inputs than {first_source}; give every slice the same "
+                              f"--length, --prompt, --ids or --inputs")
+    if len(reports) == 1 and first.layers is None:
+        return first
+    if any(r.layers is None for _, r in reports):
+        whole = next(s for s, r in reports if r.layers is None)
+        raise ParityError(f"{whole}: a check of the whole model overlaps every slice; merge only --layers reports")
+    counts = {r.layers["of"] for _, r in reports}
+    if len(counts) > 1:
+        raise ParityError(f"report merge: the slices are of models with {sorted(counts)} layers; merge one model's")
+    (of,) = counts
+    ordered = sorted(reports, key=lambda sr: sr[1].layers["start"])
+    missing, covered = [], 0
+    for (source, r), (prev, _) in zip(ordered, [(None, None)] + ordered[:-1]):
+        start, stop = r.layers["start"], r.layers["stop"]
+        if start < covered:
+            raise ParityError(f"{source}: layers {start}:{stop} overlap {prev}'s; give each layer to one slice")
+        if start > covered:
+            missing.append(f"{covered}:{start}")
+        covered = stop
+    if covered < of:
+        missing.append(f"{covered}:{of}")
+    if missing:
+        raise ParityError(f"report merge: no report covers layers {', '.join(missing)} of {of}; check them "
+                          f"(parity check ... --layers {missing[0]} --report FILE.json) and merge that too")
+    points = sorted((p for _, r in ordered for p in r.points), key=lambda p: names.point_order(p.name))
+    merged = Report(family=first.family, reference=first.reference, candidate=first.candidate, dtype=first.dtype,
+                    mode=first.mode, layerwise=first.layerwise, points=points, calibrated=first.calibrated,
+                    layers={"start": 0, "stop": of, "of": of,
+                            "slices": [[r.layers["start"], r.layers["stop"]] for _, r in ordered]})
+    last = ordered[-1][1]
+    merged.logits = last.logits
+    merged.warnings = list(dict.fromkeys(w for _, r in ordered for w in r.warnings))
+    firsts = merged.first_divergence
+    if firsts is not None:  # the diagnosis of the slice where the model first diverges
+        merged.diagnosis = next(r.diagnosis for _, r in ordered if any(p is firsts for p in r.points))
+    runs = []
+    for k, run in enumerate(first.inputs.get("runs", [])):
+        mine = [r.inputs["runs"][k] for _, r in ordered]
+        runs.append({**run, "verdict": "fail" if any(m["verdict"] == "fail" for m in mine) else "pass",
+                     "first_divergence": next((m["first_divergence"] for m in mine if m["first_divergence"]), None)})
+    merged.inputs = {**first.inputs, "runs": runs}
+    return merged
+
+
+def _run_ids(report: Report) -> list:
+    return [run.get("ids") for run in report.inputs.get("runs", [])]

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from . import names
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, inventory, open_checkpoint, weight_files
 from .compare import Tolerances, judge, logit_metrics, metrics
 from .errors import ParityError
 from .report import PointResult, Report
@@ -210,7 +210,7 @@ def would_not_fit(ckpt: Checkpoint, candidate: Path, kind: str, dtype: str, cali
         from .neutral import read_manifest
 
         shapes = ([info["shape"] for info in read_manifest(candidate)["tensors"].values()] if kind == "neutral"
-                  else [info.shape for info in open_checkpoint(candidate).tensors.values()])
+                  else [info.shape for info in inventory(weight_files(candidate)).values()])
         count = _elements(shapes)
         need[candidate_device] = need.get(candidate_device, 0) + count * DTYPES[dtype].itemsize
     for where, nbytes in need.items():

@@ -477,7 +477,32 @@ BAD_INPUTS: list[Case] = [
          "expected A:B with 0 <= A < B <="),
     Case("--layers with a golden lacking the slice's input", lambda t, b: check(
         t, *_final_only_golden(t, b), b.neutral, "--layers", "1:2"), "the golden does not hold layers.0.out"),
+    Case("report merge with a slice missing", lambda t, b: merge(t, _slices(t, b, "0:1")),
+         "no report covers layers 1:2 of 2"),
+    Case("report merge of overlapping slices", lambda t, b: merge(t, _slices(t, b, "0:2", "1:2")),
+         "overlap"),
+    Case("report merge of slices from different checks", lambda t, b: merge(
+        t, _slices(t, b, "0:1") + _slices(t, b, "1:2", dtype="bfloat16")), "dtype 'bfloat16' differs"),
+    Case("report merge of a file that is not a report", lambda t, b: merge(
+        t, [write(t / "x.json", b'{"verdict": "pass"}')]), "not a parity report"),
 ]
+
+
+def merge(tmp: Path, files: list[Path]) -> list[str]:
+    """`parity report merge`, asking for a report and JUnit XML that must not appear."""
+    return ["report", "merge", *map(str, files), "-o", str(tmp / "merged.json"), "--junit", str(tmp / "junit.xml")]
+
+
+def _slices(tmp: Path, b: Built, *spans: str, **options) -> list[Path]:
+    """The JSON reports of checking the tiny llama's neutral conversion one slice of layers at a time."""
+    from parity.render import write as write_report
+    from parity.runner import check as run_check
+
+    files = []
+    for span in spans:
+        files.append(tmp / f"slice-{span.replace(':', '-')}-{options.get('dtype', 'float32')}.json")
+        write_report(run_check(b.checkpoint, b.neutral, layerwise=True, layers=span, **options), files[-1])
+    return files
 
 
 def _final_only_golden(tmp: Path, b: Built) -> tuple[Path]:
