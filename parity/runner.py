@@ -28,6 +28,7 @@ from . import names
 from .checkpoint import Checkpoint, inventory, open_checkpoint, weight_files
 from .compare import Tolerances, judge, logit_metrics, metrics
 from .errors import ParityError
+from .lengths import default_length, exercised
 from .report import PointResult, Report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -376,28 +377,6 @@ class Inputs:
     source: str
 
 
-def _thresholds(ckpt: Checkpoint) -> dict[str, int]:
-    """Position-dependent conventions and the prompt length past which each acts: label -> length."""
-    r = ckpt.resolved
-    out: dict[str, int] = {}
-    for i in range(r.num_layers):
-        if window := r.layer("attention.sliding_window", i):
-            out[f"sliding window {window}"] = window
-        if r["positions.kind"] == "rope":
-            scaling = r.layer("positions.rope_scaling", i) or {}
-            if threshold := scaling.get("original_max_position_embeddings"):
-                out[f"rope {scaling.get('rope_type')} scaling threshold {threshold}"] = threshold
-    return out
-
-
-def default_length(ckpt: Checkpoint) -> int:
-    """Long enough to cross every sliding window and RoPE scaling threshold (by 16), at least 64."""
-    r = ckpt.resolved
-    length = max([64] + [t + 16 for t in _thresholds(ckpt).values()])
-    limit = r["positions.max_positions"]
-    return min(length, limit) if limit else length
-
-
 def make_inputs(ckpt: Checkpoint, *, prompt: str | None = None, ids: list[int] | None = None,
                 length: int | None = None) -> Inputs:
     vocab = next(t.shape[0] for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))
@@ -492,23 +471,6 @@ def _golden(reference: Path, adapter_dirs):
     from .golden import is_golden, open_golden
 
     return open_golden(reference, adapter_dirs) if is_golden(reference) else None
-
-
-def exercised(ckpt: Checkpoint, n: int) -> tuple[dict, list[str]]:
-    """Which position-dependent conventions a prompt of n tokens reaches, and warnings for the rest."""
-    seen: dict[str, bool] = {}
-    warnings: list[str] = []
-    for label, length in _thresholds(ckpt).items():
-        seen[label] = n > length
-        if n > length:
-            continue
-        if label.startswith("sliding window"):
-            warnings.append(f"the prompt ({n} tokens) is not longer than the sliding window ({length}): "
-                            f"window handling is not exercised; use --length {length + 16}")
-        else:
-            warnings.append(f"the prompt ({n} tokens) does not pass the RoPE scaling threshold ({length}): "
-                            f"long-context scaling is not exercised")
-    return seen, warnings
 
 
 # --------------------------------------------------------------------------------------------
