@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import __version__, atomic
 from .errors import ParityError
@@ -120,32 +121,68 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
         if kind is not None:
             raise ParityError(f"{path}: RoPE scaling {kind!r} depends on the prompt length, which an exported "
                               f"graph cannot branch on; not exportable to ONNX yet")
-        manifest, tensors = load(tmp / "neutral")
-        if inject:
-            from . import bugs
-
-            manifest, tensors = bugs.inject(inject, manifest, tensors, bugs.families())
         torch_dtype = getattr(torch, dtype)
         output = "logits" if manifest["head"] is not None else "last_hidden_state"
         points = [p for p in manifest["capture_points"] if p != output] if debug_outputs else []
-        module = _Exportable(manifest, tensors, torch_dtype, points).eval()
-        del tensors
-        weights = {name for name, _ in module.named_buffers()}
+        weight_bytes = sum(_nbytes(t) for t in manifest["tensors"].values())
+        external = weight_bytes > EXTERNAL_DATA_BYTES
+        if inject:  # a broken export rehearses a gate on small models: its tensors are changed in memory
+            from . import bugs
+
+            manifest, tensors = bugs.inject(inject, *load(tmp / "neutral"), bugs.families())
+            module, source = _Exportable(manifest, tensors, torch_dtype, points).eval(), None
+            del tensors
+        else:  # traced on fake tensors: the weights are read when written, a chunk at a time
+            _, source = load(tmp / "neutral", lazy=True)
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                fake = {name: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
+                        for name, info in manifest["tensors"].items()}
+                module = _Exportable(manifest, fake, torch_dtype, points).eval()
+        weights = {name: x.dtype for name, x in module.named_buffers()}
         program = _torch_export(module, manifest, points, output, opset)
-        _tidy(program, [output, *points], weights)
         del module
+        if source is not None:
+            _put_weights(program, source, weights, tmp / f"{out.name}.data" if external else None)
+        _tidy(program, [output, *points], set(weights))
         for key, value in onnx_metadata(manifest, points, output).items():
             program.model.metadata_props[key] = value
         program.model.producer_name, program.model.producer_version = "parity", __version__
-        weight_bytes = sum(_nbytes(t) for t in manifest["tensors"].values())
-        external = weight_bytes > EXTERNAL_DATA_BYTES
-        program.save(tmp / out.name, external_data=external)
+        if source is None:
+            program.save(tmp / out.name, external_data=external)
+        else:  # the external tensors keep the file they were written to
+            import onnx_ir
+
+            onnx_ir.save(program.model, tmp / out.name)
         del program
         _remove_tree(tmp / "neutral")
         check_file(tmp / out.name)
         files = sorted(p.name for p in tmp.iterdir())
     return {"manifest": manifest, "outputs": [output, *points], "files": files, "external_data": external,
             "dtype": dtype}
+
+
+def _put_weights(program, source, weights: dict[str, torch.dtype], data: Path | None) -> None:
+    """Give the exported graph's fake weights their values, cast as the executor casts them: in the graph (small
+    models), or streamed into the external data file ``data``, a chunk of rows at a time, each tensor 64-byte
+    aligned and referenced where it lies (onnx_ir's ExternalTensor), so that no model-sized buffer is built."""
+    import onnx_ir
+
+    initializers = program.model.graph.initializers
+    if data is None:
+        program.apply_weights({name: source.files.read(name, dtype=dtype) for name, dtype in weights.items()
+                               if name in initializers})
+        return
+    with open(data, "wb") as f:
+        for name, dtype in weights.items():
+            if name not in initializers:
+                continue
+            f.write(b"\0" * (-f.tell() % 64))
+            offset = f.tell()
+            for _, chunk in source.row_chunks(name, dtype):
+                f.write(memoryview(chunk.contiguous().view(torch.uint8).reshape(-1).numpy()))
+            value = initializers[name].const_value
+            initializers[name].const_value = onnx_ir.ExternalTensor(
+                data.name, offset, f.tell() - offset, value.dtype, shape=value.shape, name=name, base_dir=data.parent)
 
 
 def _nbytes(info: dict) -> int:
