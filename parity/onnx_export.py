@@ -13,8 +13,10 @@ types. Outputs: ``logits`` (or ``last_hidden_state`` for a model without an LM h
 ``metadata_props`` hold the manifest (``parity.manifest``: family, conventions, source hashes) and
 the capture points the graph outputs (``parity.capture_points``).
 
-The file is written atomically (parity/atomic.py); past 2 GB of weights the initializers go to
-external data beside it (``OUT.data``).
+The executor is traced on fake tensors (shapes and dtypes, no data), and the weights are read from the
+neutral files only when they are written: past 2 GB, streamed a chunk of rows at a time into external data
+beside the graph (``OUT.onnx.data``), so that exporting an 8B model needs a few GB of memory, not the model's
+size. The file is written atomically (parity/atomic.py).
 """
 
 from __future__ import annotations
