@@ -1,7 +1,11 @@
 """Per-point metrics and tolerances.
 
-Metrics are computed in float64 after upcasting both sides. A point passes when its rel_l2 is within
-its tolerance (scale-aware: the residual stream grows with depth, so an absolute tolerance that suits
+Metrics are computed in float64 a chunk at a time, never by upcasting a whole tensor (a float64 copy of
+Gemma 3's [positions, vocabulary] logits is over a gigabyte, and KL needs several): the float64 work is done
+in a few buffers of at most CHUNK_BYTES each (a single row of logits larger than that is one chunk), reused
+from chunk to chunk, and sums are accumulated in float64, so memory beyond the inputs grows neither with the
+vocabulary nor with the number of positions. A point passes when its rel_l2 is
+within its tolerance (scale-aware: the residual stream grows with depth, so an absolute tolerance that suits
 layer 0 means nothing at layer 40); NaN, Inf or a shape mismatch fail it. Cosine similarity is
 reported as information only: rel_l2 <= t already implies 1 - cosine <= t**2 / 2, so a cosine floor
 could never decide a verdict that rel_l2 had not.
@@ -22,7 +26,10 @@ Each tolerance carries its source, so a report says which step set it.
 from __future__ import annotations
 
 import fnmatch
+import itertools
+import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,50 +53,171 @@ COSINE_REFUSED = ("cosine is not a tolerance: rel_l2 <= t already implies cosine
                   "never decides a verdict; set rel_l2 only")
 
 
+# The most bytes one float64 buffer may hold. A comparison allocates a few such buffers once and reuses them
+# for every chunk (fresh temporaries per chunk fragment glibc's heap: RSS grew with the number of chunks), so
+# it needs at most ~4 x CHUNK_BYTES beyond its inputs, whatever the vocabulary or the number of positions.
+CHUNK_BYTES = 16 * 2**20
+ALLCLOSE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _row_blocks(t: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
+    """[k, last_dim] pieces of ``t``, k <= rows (at least 1), covering its rows (vectors along the last dim) in
+    order. The cuts depend on the shape only, so two tensors of one shape give matching pieces whatever their
+    strides; a piece is a view where the layout allows, else a copy of that piece alone."""
+    if t.dim() <= 1:
+        yield t.reshape(1, t.numel())
+        return
+    if t.dim() == 2:
+        for i in range(0, t.shape[0], rows):
+            yield t[i:i + rows]
+        return
+    inner = math.prod(t.shape[1:-1])   # rows under one index of the first dim
+    if inner == 0:
+        return
+    if inner <= rows:
+        step = rows // inner
+        for i in range(0, t.shape[0], step):
+            yield t[i:i + step].reshape(-1, t.shape[-1])
+    else:
+        for i in range(t.shape[0]):
+            yield from _row_blocks(t[i], rows)
+
+
+def _flat_chunks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """1-D pieces of at most ``limit`` elements, in order, cut by shape only (as _row_blocks): elementwise
+    metrics need no whole rows, so even a row longer than ``limit`` is cut."""
+    last = t.shape[-1] if t.dim() else 1
+    for block in _row_blocks(t, max(1, limit // max(last, 1))):
+        if block.numel() <= limit:
+            yield block.reshape(-1)
+        else:                           # one row longer than limit
+            for j in range(0, block.shape[-1], limit):
+                yield block[0, j:j + limit]
+
+
+def _upcast(t: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    """``t`` in float64: itself when it already is, else copied into the front of the reusable ``buf``."""
+    return t if t.dtype == torch.float64 else buf[:t.shape[0]].copy_(t)
+
+
+def _buffer(like: torch.Tensor, shape: tuple) -> torch.Tensor | None:
+    """A reusable float64 buffer for ``like``'s chunks; None when ``like`` is float64 already (used in place)."""
+    return None if like.dtype == torch.float64 else torch.empty(shape, dtype=torch.float64, device=like.device)
+
+
 def metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict:
-    """max_abs, mean_abs, rel_l2 = ||c - r|| / ||r||, cosine, and any NaN/Inf, in float64."""
-    c, r = candidate.detach().double(), reference.detach().double()
-    nonfinite = None
-    for side, t in (("reference", r), ("candidate", c)):
-        if not torch.isfinite(t).all():
-            kind = "NaN" if torch.isnan(t).any() else "Inf"
-            nonfinite = nonfinite or f"{kind} in {side}"
+    """max_abs, mean_abs, rel_l2 = ||c - r|| / ||r||, cosine, and any NaN/Inf, in float64, a chunk at a time."""
+    c, r = candidate.detach(), reference.detach()
     if c.shape != r.shape:
         return {"max_abs": float("inf"), "mean_abs": float("inf"), "rel_l2": float("inf"), "cosine": 0.0,
                 "nonfinite": f"shape {list(c.shape)} vs reference {list(r.shape)}", "reference_norm": 0.0}
+    n = r.numel()
+    limit = max(1, CHUNK_BYTES // 8)
+    size = (min(limit, n),)
+    c_buf, r_buf, work = _buffer(c, size), _buffer(r, size), torch.empty(size, dtype=torch.float64, device=r.device)
+    # float64 accumulators on the tensors' device: no host sync until the end
+    acc = torch.zeros(5, dtype=torch.float64, device=r.device)   # |d|^2, |r|^2, |c|^2, c.r, sum |d|
+    max_abs = torch.zeros((), dtype=torch.float64, device=r.device)
+    for cc, rc in zip(_flat_chunks(c, limit), _flat_chunks(r, limit)):
+        c64, r64 = _upcast(cc, c_buf), _upcast(rc, r_buf)
+        w = work[:rc.shape[0]]
+        dot = torch.mul(c64, r64, out=w).sum()
+        ss_c = torch.mul(c64, c64, out=w).sum()
+        ss_r = torch.mul(r64, r64, out=w).sum()
+        diff = torch.sub(c64, r64, out=w).abs_()
+        sum_abs = diff.sum()
+        if diff.numel():
+            max_abs = torch.maximum(max_abs, diff.max())
+        acc += torch.stack((diff.square_().sum(), ss_r, ss_c, dot, sum_abs))
+    del c_buf, r_buf, work
+    ss_diff, ss_r, ss_c, dot, sum_abs = acc.tolist()
+    nonfinite = None
+    # A NaN or Inf on a side makes its sum of squares NaN or Inf; only then are its elements looked at (the
+    # sum may also overflow on finite values), NaN reported over Inf, the reference before the candidate.
+    for side, t, ss in (("reference", r, ss_r), ("candidate", c, ss_c)):
+        if not math.isfinite(ss):
+            kind = _nonfinite(t, limit)
+            if kind:
+                nonfinite = f"{kind} in {side}"
+                break
     if nonfinite:
         return {"max_abs": float("inf"), "mean_abs": float("inf"), "rel_l2": float("inf"), "cosine": 0.0,
                 "nonfinite": nonfinite, "reference_norm": float("nan")}
-    diff = c - r
-    r_norm, c_norm = r.norm().item(), c.norm().item()
-    rel = diff.norm().item() / r_norm if r_norm > 0 else (0.0 if c_norm == 0 else float("inf"))
-    cosine = 1.0 if r_norm == 0 and c_norm == 0 else (
-        0.0 if r_norm == 0 or c_norm == 0 else (c.flatten() @ r.flatten()).item() / (c_norm * r_norm))
-    return {"max_abs": diff.abs().max().item() if diff.numel() else 0.0,
-            "mean_abs": diff.abs().mean().item() if diff.numel() else 0.0,
+    r_norm, c_norm = math.sqrt(ss_r), math.sqrt(ss_c)
+    rel = math.sqrt(ss_diff) / r_norm if r_norm > 0 else (0.0 if c_norm == 0 else float("inf"))
+    cosine = 1.0 if r_norm == 0 and c_norm == 0 else (0.0 if r_norm == 0 or c_norm == 0 else dot / (c_norm * r_norm))
+    return {"max_abs": max_abs.item() if n else 0.0, "mean_abs": sum_abs / n if n else 0.0,
             "rel_l2": rel, "cosine": cosine, "nonfinite": None, "reference_norm": r_norm}
+
+
+def _nonfinite(t: torch.Tensor, limit: int) -> str | None:
+    """'NaN', 'Inf' or None for ``t``, checked a chunk at a time in its own dtype (no float64 copy)."""
+    inf = False
+    for x in _flat_chunks(t, limit):
+        if torch.isnan(x).any():
+            return "NaN"
+        inf = inf or bool(torch.isinf(x).any())
+    return "Inf" if inf else None
 
 
 def logit_metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict | None:
     """KL(reference || candidate) per position, top-1 agreement, top-5 overlap, max logit difference; None when
-    the two cannot be compared (shapes differ, or NaN/Inf: the logits point itself fails and says why)."""
-    if candidate.shape != reference.shape or not (torch.isfinite(candidate).all() and torch.isfinite(reference).all()):
+    the two cannot be compared (shapes differ, or NaN/Inf: the logits point itself fails and says why; or there
+    are no logits). Computed in float64, a chunk of positions at a time."""
+    c, r = candidate.detach(), reference.detach()
+    if c.shape != r.shape or r.dim() == 0 or r.numel() == 0:
         return None
-    c, r = candidate.double().reshape(-1, candidate.shape[-1]), reference.double().reshape(-1, reference.shape[-1])
-    log_p, log_q = torch.log_softmax(r, -1), torch.log_softmax(c, -1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)                                  # [positions]
-    k = min(5, r.shape[-1])
-    top_r, top_c = r.topk(k, -1).indices, c.topk(k, -1).indices
-    overlap = torch.tensor([len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(top_r, top_c)])
+    vocab = r.shape[-1]
+    positions = r.numel() // vocab
+    rows = max(1, CHUNK_BYTES // (8 * vocab))
+    finite = torch.ones((), dtype=torch.bool, device=r.device)
+    for block in itertools.chain(_row_blocks(c, rows), _row_blocks(r, rows)):
+        # in the inputs' dtype, one read: min and max are finite only without Inf, and NaN propagates into them
+        finite &= torch.isfinite(torch.stack(torch.aminmax(block))).all()
+    if not finite.item():
+        return None
+    k = min(5, vocab)
+    dev, f64 = r.device, torch.float64
+    chunk = (min(rows, positions), vocab)
+    c_buf, r_buf = _buffer(c, chunk), _buffer(r, chunk)
+    work = [torch.empty(chunk, dtype=f64, device=dev) for _ in range(2)]
+    within = torch.empty(chunk, dtype=torch.bool, device=dev)
+    top_values = torch.empty(chunk[0], k, dtype=f64, device=dev)
+    top_r, top_c = (torch.empty(positions, k, dtype=torch.long, device=dev) for _ in range(2))
+    kl = torch.empty(positions, dtype=f64, device=dev)
+    close = torch.ones((), dtype=torch.bool, device=dev)
+    max_diff = torch.zeros((), dtype=f64, device=dev)
+    start = 0
+    for cc, rc in zip(_row_blocks(c, rows), _row_blocks(r, rows)):
+        n, stop = rc.shape[0], start + rc.shape[0]
+        r64, c64 = _upcast(rc, r_buf), _upcast(cc, c_buf)
+        w1, w2 = work[0][:n], work[1][:n]
+        torch.topk(r64, k, -1, out=(top_values[:n], top_r[start:stop]))
+        torch.topk(c64, k, -1, out=(top_values[:n], top_c[start:stop]))
+        diff = torch.sub(c64, r64, out=w1).abs_()
+        max_diff = torch.maximum(max_diff, diff.max())
+        # torch.allclose(c, r, rtol, atol) on finite inputs: |c - r| <= atol + rtol * |r| everywhere
+        allowed = torch.abs(r64, out=w2).mul_(ALLCLOSE["rtol"]).add_(ALLCLOSE["atol"])
+        close &= torch.le(diff, allowed, out=within[:n]).all()
+        log_p = torch.log_softmax(r64, -1, out=w1)
+        log_q = torch.log_softmax(c64, -1, out=w2)
+        # p * (log p - log q), in place in the two work buffers
+        torch.sub(log_p, log_q, out=log_q).mul_(log_p.exp_())
+        torch.sum(log_q, -1, out=kl[start:stop])
+        start = stop
+    del c_buf, r_buf, work, within
+    agree = top_r[:, 0] == top_c[:, 0]
+    # topk's indices are distinct within a row, so the matches count |topk_r & topk_c|
+    overlap = (top_r.unsqueeze(-1) == top_c.unsqueeze(-2)).any(-1).sum(-1)
     return {
         "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
-        "top1_agreement": (top_r[:, 0] == top_c[:, 0]).double().mean().item(),
-        "top5_overlap": overlap.mean().item(),
-        "max_logit_diff": (c - r).abs().max().item(),
-        "positions": r.shape[0],
+        "top1_agreement": agree.double().mean().item(),
+        "top5_overlap": (overlap.double() / k).mean().item(),
+        "max_logit_diff": max_diff.item(),
+        "positions": positions,
         # what a final-output-only gate would have said: np.allclose(atol=1e-5), and the next token
-        "allclose_1e-5": bool(torch.allclose(c, r, rtol=1e-5, atol=1e-5)),
-        "next_token_agrees": bool(top_r[-1, 0] == top_c[-1, 0]),
+        "allclose_1e-5": bool(close.item()),
+        "next_token_agrees": bool(agree[-1].item()),
     }
 
 
