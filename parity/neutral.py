@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Literal, Optional
+from typing import Annotated, Any, BinaryIO, Callable, Container, Iterator, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,7 +23,7 @@ from . import __version__, atomic, names
 from .adapter import Resolved, ResolvedNorm, ResolvedTensor
 from .checkpoint import Checkpoint, check_tensors, open_checkpoint, plain_file_name
 from .errors import ParityError
-from .shards import PlannedTensor, ShardWriter, plan, read_header, sha256_file
+from .shards import Header, PlannedTensor, Sha256, ShardWriter, plan, read_header, sha256_file
 
 FORMAT = "parity-neutral"
 FORMAT_VERSION = 1
@@ -31,6 +31,7 @@ MANIFEST = "manifest.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SOURCE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 2**30
+READ_CHUNK = 64 * 2**20  # source bytes read, and hashed, at a time
 
 # Block norms by where they sit (see parity/names.py): the executor applies whichever are present.
 BLOCK_NORMS = ("attn_norm", "attn_post_norm", "attn_res_norm", "mlp_norm", "mlp_post_norm", "mlp_res_norm")
@@ -142,7 +143,8 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
 def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix: str | None = None,
                    hashes: bool = True) -> dict:
     """Every convention of the checkpoint as explicit values, and the tensors it becomes (files: by convert).
-    ``hashes=False`` leaves the source files' sha256 out (a manifest for running, not for writing)."""
+    ``hashes=False`` leaves the source files' sha256 out: a manifest for running, or one whose writer hashes
+    the files as it reads them (convert, in its one pass)."""
     r = ckpt.resolved
     prefix = prefix if prefix is not None else ckpt.variant.tensor_prefix[0]
     layers = [layer_manifest(r, i, rope_style) for i in range(r.num_layers)]
@@ -308,32 +310,65 @@ def _stored_dtype(name: str, layers: list[dict], target: torch.dtype) -> torch.d
 
 
 class _Reader:
-    """safetensors' lazy reader, reopened now and then.
+    """A checkpoint's safetensors files, each read once from front to back, READ_CHUNK bytes at a time.
 
-    safe_open maps the file: every page a tensor was copied from stays mapped, and counts as
-    resident, until the handle closes. Reopening once more than ``budget`` bytes were read keeps
-    the mapped, resident part of the source near the largest tensor instead of the checkpoint.
+    Every byte read (the header, and tensors the adapter does not map) goes to the file's sha256, so the
+    manifest's source hashes cost no second pass; hashing runs on its own thread (shards.Sha256) while
+    the next piece is read and the tensor is converted and written. Tensors are read into one buffer,
+    reused: memory stays at the largest tensor (or one piece, if larger).
     """
 
-    def __init__(self, budget: int):
-        self.budget = max(budget, 64 * 2**20)
-        self.handles: dict[Path, Any] = {}
-        self.read = 0
+    def __init__(self, largest: int) -> None:
+        self.buffer = torch.empty(max(largest, READ_CHUNK), dtype=torch.uint8)  # pages count once touched
+        self.sha256: dict[str, str] = {}  # file name -> hex digest, once the file was read to its end
 
-    def get(self, file: Path, name: str) -> torch.Tensor:
-        if self.read > self.budget:
-            self.close()
-        if file not in self.handles:
-            self.handles[file] = safe_open(file, framework="pt")
-        x = self.handles[file].get_tensor(name)
-        self.read += x.numel() * x.element_size()
-        return x
+    def tensors(self, file: Path, header: Header, wanted: Container[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of ``file`` in ``wanted``, in file order; each is overwritten by the next (copy to keep)."""
+        sha = Sha256()
+        try:
+            with open(file, "rb", buffering=0) as f:
+                head = self._read(f, file, header.data_start, sha)
+                if int.from_bytes(head[:8].numpy().tobytes(), "little") != header.data_start - 8:
+                    raise ParityError(f"{file}: changed while it was read; convert again once nothing writes to it")
+                for name in file_order(header):
+                    entry = header.tensors[name]
+                    if name in wanted:
+                        raw = self._read(f, file, entry.end - entry.begin, sha)
+                        yield name, raw.view(SOURCE_DTYPES[entry.dtype]).reshape(entry.shape)
+                    else:  # hashed, not kept
+                        for start in range(entry.begin, entry.end, READ_CHUNK):
+                            self._read(f, file, min(READ_CHUNK, entry.end - start), sha)
+                if f.read(1):
+                    raise ParityError(f"{file}: grew while it was read; convert again once nothing writes to it")
+            self.sha256[file.name] = sha.hexdigest()
+        except OSError as exc:
+            raise ParityError(f"{file}: cannot be read ({exc.strerror or exc})") from None
+        finally:
+            sha.close()
 
-    def close(self) -> None:
-        for handle in self.handles.values():
-            handle.__exit__(None, None, None)
-        self.handles.clear()
-        self.read = 0
+    def _read(self, f: BinaryIO, file: Path, nbytes: int, sha: Sha256) -> torch.Tensor:
+        """The next ``nbytes`` of ``f``, in the buffer; each piece goes to ``sha`` as soon as it is in."""
+        sha.wait()  # the buffer is about to be overwritten
+        if nbytes > len(self.buffer):  # a header larger than any tensor
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        out = self.buffer[:nbytes]
+        view = memoryview(out.numpy())
+        for start in range(0, nbytes, READ_CHUNK):
+            piece = view[start:start + READ_CHUNK]
+            done = 0
+            while done < len(piece):
+                n = f.readinto(piece[done:])
+                if not n:
+                    raise ParityError(f"{file}: ends before the tensor data its header promises; it was truncated "
+                                      f"while it was read")
+                done += n
+            sha.update(piece)
+        return out
+
+
+def file_order(header: Header) -> list[str]:
+    """A safetensors file's tensor names in the order their bytes lie in it."""
+    return sorted(header.tensors, key=lambda name: (header.tensors[name].begin, header.tensors[name].end))
 
 
 def _check_for_conversion(ckpt: Checkpoint) -> None:
@@ -369,13 +404,19 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
     if r["positions.kind"] != "rope" and rope_style:
         raise ParityError(f"{ckpt.path}: --rope-style applies to RoPE models; {r.family} uses learned positions")
 
-    manifest = build_manifest(ckpt, target, style, check.prefix)
+    # source hashes come from the conversion's own reads (_Reader), filled in before the manifest is written
+    manifest = build_manifest(ckpt, target, style, check.prefix, hashes=False)
     tensor_map = r.tensor_map(check.prefix)
-    outputs = [PlannedTensor(n, tuple(info["shape"]), getattr(torch, info["dtype"]))
-               for n, info in manifest["tensors"].items()]
+    headers = {f: read_header(f) for f in ckpt.files}
+    # planned in source order, so that each tensor is written as soon as the one pass has read it
+    order = [n for f in ckpt.files for hf_name in file_order(headers[f]) if hf_name in tensor_map
+             for n in tensor_map[hf_name].neutral]
+    outputs = [PlannedTensor(n, tuple(manifest["tensors"][n]["shape"]), getattr(torch, manifest["tensors"][n]["dtype"]))
+               for n in order]
     layer_of = lambda name: manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None  # noqa: E731
 
-    reader = _Reader(max(t.nbytes for t in outputs))
+    reader = _Reader(max(h.tensors[n].end - h.tensors[n].begin for h in headers.values() for n in h.tensors
+                         if n in tensor_map))
     with atomic.output_dir(Path(out), force=force) as tmp:
         shards = plan(outputs, tmp, max_shard_bytes)
         where = {t.name: s.path.name for s in shards for t in s.tensors}
@@ -384,22 +425,21 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
         writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT})
         written = 0
         files: dict[str, dict] = {}
-        for hf_name, t in tensor_map.items():
-            x = reader.get(ckpt.tensors[hf_name].file, hf_name)
-            for name, y in to_neutral(t, x):
-                layer = layer_of(name)
-                if layer is not None:
-                    y = restyle_rope(name, y, layer, source_style, style)
-                if written == len(shard.tensors):
-                    files[shard.path.name] = {"sha256": writer.close(), "bytes": shard.path.stat().st_size}
-                    shard = next(writers)
-                    writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT})
-                    written = 0
-                writer.write(name, y.to(getattr(torch, manifest["tensors"][name]["dtype"])))
-                written += 1
-            del x
+        for f in ckpt.files:
+            for hf_name, x in reader.tensors(f, headers[f], tensor_map):
+                for name, y in to_neutral(tensor_map[hf_name], x):
+                    layer = layer_of(name)
+                    if layer is not None:
+                        y = restyle_rope(name, y, layer, source_style, style)
+                    if written == len(shard.tensors):
+                        files[shard.path.name] = {"sha256": writer.close(), "bytes": shard.path.stat().st_size}
+                        shard = next(writers)
+                        writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT})
+                        written = 0
+                    writer.write(name, y.to(getattr(torch, manifest["tensors"][name]["dtype"])))
+                    written += 1
         files[shard.path.name] = {"sha256": writer.close(), "bytes": shard.path.stat().st_size}
-        reader.close()
+        manifest["source"]["files"] = reader.sha256
         for name, info in manifest["tensors"].items():
             info["file"] = where[name]
         if len(shards) > 1:

@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import struct
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,7 +193,7 @@ class ShardWriter:
     def __init__(self, shard: Shard, metadata: dict[str, str] | None = None):
         self.shard = shard
         self.expected = iter(shard.tensors)
-        self.sha = hashlib.sha256()
+        self.sha = Sha256()
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         for t in shard.tensors:
@@ -204,8 +206,9 @@ class ShardWriter:
         self._put(struct.pack("<Q", len(raw)) + raw)
 
     def _put(self, data: bytes | memoryview) -> None:
+        self.sha.update(data)  # hashed while it is written
         self.file.write(data)
-        self.sha.update(data)
+        self.sha.wait()  # the caller may reuse the tensor's memory once write returns
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         planned = next(self.expected)
@@ -219,9 +222,39 @@ class ShardWriter:
         """Finish the file; returns its sha256."""
         leftover = next(self.expected, None)
         self.file.close()
+        digest = self.sha.hexdigest()
         if leftover is not None:
             raise RuntimeError(f"shard writer: {leftover.name} was planned but never written")
-        return self.sha.hexdigest()
+        return digest
+
+
+class Sha256:
+    """sha256 computed on a thread of its own, in the order it is fed: hashlib releases the GIL on large
+    updates, so reading and writing go on meanwhile (a file read and a file written hash on two cores).
+    What ``update`` is given must stay unchanged until ``wait`` (or ``hexdigest``) returns."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parity-sha256")
+        self._pending: deque[Future] = deque()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._pending.append(self._thread.submit(self._sha.update, data))
+
+    def wait(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        """Finish what was fed and end the thread (after an error too; closing twice is harmless)."""
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True, cancel_futures=True)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

@@ -1,0 +1,104 @@
+"""What the benchmarks share: Llama-shaped checkpoints with seeded random weights, written a tensor at a time
+(so that making a 16 GB one needs little memory), and children whose wall time and own peak RSS are measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from parity.shards import PlannedTensor, ShardWriter, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def llama_config(shape: dict, dtype: torch.dtype) -> dict:
+    """A Llama 3 config of the given shape (hidden_size, intermediate_size, num_hidden_layers, heads, head_dim,
+    vocab_size, tie_word_embeddings)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, "hidden_act": "silu",
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
+            "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def make_checkpoint(directory: Path, config: dict, dtype: torch.dtype, shard_bytes: int = 5 * 10**9,
+                    seed: int = 0) -> tuple[int, int]:
+    """Write seeded random weights in shards of at most ``shard_bytes`` (with an index when there are several),
+    each tensor generated a block of rows at a time; returns (bytes of weights, bytes of the largest tensor)."""
+    h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                       p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f)})
+    shapes["model.norm.weight"] = (h,)
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    planned = [PlannedTensor(name, shape, dtype) for name, shape in shapes.items()]
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    shards = plan(planned, directory, max_shard_bytes=shard_bytes)
+    gen = torch.Generator().manual_seed(seed)
+    for shard in shards:
+        writer = ShardWriter(shard)
+        for t in shard.tensors:
+            x = torch.empty(t.shape, dtype=dtype)
+            for a in range(0, t.shape[0], 4096):  # float32 randoms a block of rows at a time
+                block = torch.randn((min(4096, t.shape[0] - a), *t.shape[1:]), generator=gen)
+                x[a:a + block.shape[0]] = block.mul_(0.05).add_(1.0) if len(t.shape) == 1 else block.mul_(0.02)
+            writer.write(t.name, x)
+        writer.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in planned)},
+                 "weight_map": {t.name: s.path.name for s in shards for t in s.tensors}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return sum(t.nbytes for t in planned), max(t.nbytes for t in planned)
+
+
+# The child reports its own high-water mark as it exits (sys.exit included): VmHWM belongs to the process image
+# after exec, while getrusage's maxrss would also count the pages the child shared with this parent at fork.
+PEAK = ("import atexit, sys; atexit.register(lambda: print('VmHWM', next(l.split()[1] for l in "
+        "open('/proc/self/status') if l.startswith('VmHWM')), file=sys.stderr, flush=True)); "
+        "code = sys.argv[1]; sys.argv = sys.argv[1:]; exec(code)")
+
+
+@dataclass
+class Run:
+    what: str
+    wall: float           # seconds, the child's whole life (python start and imports included)
+    peak: int             # bytes, the child's own peak RSS
+    exit: int
+    seconds: float | None  # what the child timed itself ("seconds N" on stdout), if it did
+
+
+def run(code: str, what: str, *args: str, quiet: bool = False) -> Run:
+    """Run python ``code`` (with ``args`` as sys.argv[1:]) in a child, after flushing dirty pages."""
+    os.sync()
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", PEAK, code, *args], cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    kib = next((int(line.split()[1]) for line in done.stderr.splitlines() if line.startswith("VmHWM")), 0)
+    seconds = next((float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("seconds ")), None)
+    result = Run(what, wall, kib * 1024, done.returncode, seconds)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-3000:])
+    if not quiet:
+        print(f"  {what}: {wall:.1f} s, peak RSS {result.peak / 2**30:.2f} GiB, exit {done.returncode}", flush=True)
+    return result
+
+
+def cli(what: str, *args: str, quiet: bool = False) -> Run:
+    """``parity ARGS`` in a child (python start and imports included in its wall time)."""
+    return run("from parity.cli import cli; cli(sys.argv[1:], prog_name='parity')", what, *args, quiet=quiet)
