@@ -36,12 +36,14 @@ LLAMA_31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_laye
 LLAMA_32_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
                "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True}
 
-FORWARD = ("import time, torch; from pathlib import Path; from parity.runner import plain_forward\n"
+# both import what a check imports (torch, transformers, parity) before their clocks start
+IMPORTS = "import time, torch, transformers, parity.cli, parity.runner\n"
+FORWARD = (IMPORTS + "from pathlib import Path; from parity.runner import plain_forward\n"
            "path, length, stream = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == 'stream'\n"
            "t = time.perf_counter()\n"
            "plain_forward(path, torch.arange(3, length + 3)[None], stream=stream)\n"
            "print('seconds', time.perf_counter() - t)")
-CHECK = ("import time; from parity.cli import cli; t = time.perf_counter()\n"
+CHECK = (IMPORTS + "from parity.cli import cli; t = time.perf_counter()\n"
          "try:\n"
          "    cli(sys.argv[1:], prog_name='parity')\n"
          "finally:\n"

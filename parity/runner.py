@@ -15,6 +15,7 @@ noise, and sets tolerances to a multiple of it.
 
 from __future__ import annotations
 
+import gc
 import json
 import queue
 import threading
@@ -47,9 +48,9 @@ class _Done:
 class Stream:
     """A model run in a background thread; ``get(name)`` waits for that capture point."""
 
-    def __init__(self, run: Callable[[Emit], None], label: str):
+    def __init__(self, run: Callable[[Emit], None], label: str, bound: int = 4):
         self.label = label
-        self.items: queue.Queue = queue.Queue(maxsize=4)
+        self.items: queue.Queue = queue.Queue(maxsize=bound)  # 0: unbounded, the model runs ahead
         self.buffer: dict[str, torch.Tensor] = {}
         self.finished = False
         self.error: BaseException | None = None
@@ -240,6 +241,12 @@ class Models:
         if key not in self.loaded:
             self.loaded[key] = _load_hf(ckpt, dtype, self.stream, self.device.get(role, self.device["reference"]))
         return self.loaded[key]
+
+    def release(self, role: str) -> None:
+        """Drop the transformers model of ``role``: a later use loads it again."""
+        for key in [k for k in self.loaded if k[0] == "hf" and k[3] == role]:
+            del self.loaded[key]
+        gc.collect()
 
     def neutral(self, path: Path, dtype: torch.dtype, inject: str | None = None):
         from . import bugs
@@ -614,7 +621,8 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
         report.warnings += [w for w in warnings if w not in report.warnings]
         kept: dict = {"ids": inputs.ids}
         results, logits = _check_once(models, ckpt, Path(candidate), kind, inputs.ids, dtype, layerwise, isolate,
-                                      calibrate, tolerances, progress, inject, kept, golden, k, on_layer, span)
+                                      calibrate, tolerances, progress, inject, kept, golden, k, on_layer, span,
+                                      done_with_reference=k == len(all_inputs) - 1 and not generate)
         failing = [p for p in results if p.compared and not p.passed]
         for p in results:
             p.run = k
@@ -805,9 +813,10 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
                 isolate: bool, calibrate: bool, tolerances: Tolerances, progress: Callable[[str], None] | None,
                 inject: str | None = None, kept: dict | None = None, golden=None,
                 run_index: int = 0, on_layer: Callable[[str, int, int], None] | None = None,
-                span: Span | None = None) -> tuple[list[PointResult], dict | None]:
+                span: Span | None = None, done_with_reference: bool = False) -> tuple[list[PointResult], dict | None]:
     """One prompt. ``kept`` (when given) receives the two sides' tensors at the first failing point and
-    the final output, for the diagnosis. With a ``golden``, its run ``run_index`` is the reference."""
+    the final output, for the diagnosis. With a ``golden``, its run ``run_index`` is the reference.
+    ``done_with_reference``: no later prompt runs the reference, so a whole one is dropped once it has run."""
     say = progress or (lambda message: None)
     low = DTYPES[dtype]
     n_layers = ckpt.resolved.num_layers
@@ -836,8 +845,12 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
         streams = {"reference": Stream(only(golden.runner(run_index), needed), "golden")}
     else:
         say("loading the reference")
+        # held whole, the models run one after the other: run side by side, they would share the same cores,
+        # each op already spread over all of them, and pay for it (the reference's points are held meanwhile,
+        # less than the models themselves); streamed, they run in step, so that few points are held
         streams = {"reference": Stream(hf_runner(models, ckpt, torch.float32, ids, points=needed,
-                                                 on_layer=layer_done("reference"), last=last), "reference")}
+                                                 on_layer=layer_done("reference"), last=last), "reference",
+                                       bound=4 if models.stream else 0)}
     if calibrate and golden is None:
         other = torch.float64 if low == torch.float32 else low
         say(f"loading the reference at {str(other).removeprefix('torch.')} for calibration")
@@ -905,6 +918,10 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
         if name.endswith(".out"):
             say(f"compared {name}")
 
+    if not models.stream and golden is None:
+        streams["reference"].thread.join()
+        if done_with_reference:  # the candidate is loaded into the memory the reference held
+            models.release("reference")
     say(f"running the candidate ({kind})")
     try:  # the reference streams are running: whatever happens, let them finish
         fed = feed if feeding else None

@@ -133,8 +133,8 @@ def test_final_only_holds_only_what_it_compares(tiny_dir, neutral_dir, monkeypat
     emitted: list[str] = []
     original = runner.Stream.__init__
 
-    def spy(self, run, label):
-        original(self, lambda emit: run(lambda n, t: (emitted.append(n), emit(n, t))), label)
+    def spy(self, run, label, **options):
+        original(self, lambda emit: run(lambda n, t: (emitted.append(n), emit(n, t))), label, **options)
 
     monkeypatch.setattr(runner.Stream, "__init__", spy)
     report = runner.check(tiny_dir("llama"), neutral_dir("llama"))
