@@ -123,30 +123,71 @@ class Report:
 
     @classmethod
     def from_json(cls, data: dict, source: str = "report") -> Report:
-        """A report read back from its JSON (``parity report merge``); NaN and Inf were written as null."""
+        """A report read back from its JSON (``parity report merge``), every field it relies on checked; NaN and
+        Inf were written as null."""
+        fix = "give the JSON that `parity check --report FILE.json` wrote"
         if not isinstance(data, dict) or data.get("parity_report_version") != REPORT_VERSION:
-            raise ParityError(f"{source}: not a parity report (parity_report_version {REPORT_VERSION}); "
-                              f"give the JSON that `parity check --report FILE.json` wrote")
+            raise ParityError(f"{source}: not a parity report (parity_report_version {REPORT_VERSION}); {fix}")
         try:
-            points = [PointResult(name=p["name"], max_abs=_float(p["max_abs"]), mean_abs=_float(p["mean_abs"]),
-                                  rel_l2=_float(p["rel_l2"]), cosine=_float(p["cosine"]),
-                                  tolerance=Tolerance(**p["tolerance"]), passed=bool(p["passed"]),
-                                  noise=p.get("noise"), nonfinite=p.get("nonfinite"),
-                                  compared=bool(p.get("compared", True)), run=int(p.get("run", 0)))
-                      for p in data["points"]]
-            return cls(family=data["family"], reference=data["reference"], candidate=data["candidate"],
-                       dtype=data["dtype"], mode=data["mode"], layerwise=bool(data["layerwise"]), points=points,
-                       logits=data.get("logits"), inputs=data.get("inputs") or {},
-                       diagnosis=data.get("diagnosis") or [], calibrated=bool(data.get("calibrated")),
-                       warnings=list(data.get("warnings") or []), matching=data.get("matching"),
-                       generation=data.get("generation"), layers=data.get("layers"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ParityError(f"{source}: a parity report with a missing or malformed field ({exc!r}); "
-                              f"give the JSON that `parity check --report FILE.json` wrote") from None
+            points = [_point(p) for p in _typed(data["points"], list, "points")]
+            runs = _typed(_typed(data.get("inputs") or {}, dict, "inputs").get("runs", []), list, "inputs.runs")
+            for run in runs:
+                _typed(run, dict, "a run")
+                _typed(run.get("ids"), list, "a run's ids")
+                _typed(run.get("verdict"), str, "a run's verdict")
+                _typed(run.get("first_divergence"), (str, type(None)), "a run's first_divergence")
+            layers = _typed(data.get("layers"), (dict, type(None)), "layers")
+            if layers is not None:
+                start, stop, of = (layers.get(k) for k in ("start", "stop", "of"))
+                if not all(type(x) is int for x in (start, stop, of)) or not 0 <= start < stop <= of:
+                    raise ValueError(f"layers {layers!r} is not a slice 0 <= start < stop <= of")
+            return cls(family=_typed(data["family"], str, "family"),
+                       reference=_typed(data["reference"], dict, "reference"),
+                       candidate=_typed(data["candidate"], dict, "candidate"),
+                       dtype=_typed(data["dtype"], str, "dtype"), mode=_typed(data["mode"], str, "mode"),
+                       layerwise=_typed(data["layerwise"], bool, "layerwise"), points=points,
+                       logits=_typed(data.get("logits"), (dict, type(None)), "logits"), inputs=data.get("inputs") or {},
+                       diagnosis=_typed(data.get("diagnosis") or [], list, "diagnosis"),
+                       calibrated=_typed(data.get("calibrated", False), bool, "calibrated"),
+                       warnings=[_typed(w, str, "a warning") for w in _typed(data.get("warnings") or [], list,
+                                                                             "warnings")],
+                       matching=_typed(data.get("matching"), (dict, type(None)), "matching"),
+                       generation=_typed(data.get("generation"), (dict, type(None)), "generation"), layers=layers)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise ParityError(f"{source}: a parity report with a missing or malformed field "
+                              f"({str(exc)[:120]!r}); {fix}") from None
+
+
+def _typed(value, kind, what: str):
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} is {type(value).__name__}")
+    return value
 
 
 def _float(x) -> float:
-    return float("nan") if x is None else float(x)
+    """A metric as JSON holds it: a number, or null for NaN and Inf."""
+    if x is None:
+        return float("nan")
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{x!r} is not a number")
+    return float(x)
+
+
+def _point(p: dict) -> PointResult:
+    from . import names
+
+    _typed(p, dict, "a point")
+    names.point_order(_typed(p["name"], str, "a point's name"))  # a name parity can place in forward order
+    tolerance = _typed(p["tolerance"], dict, "a point's tolerance")
+    return PointResult(name=_typed(p["name"], str, "a point's name"), max_abs=_float(p["max_abs"]),
+                       mean_abs=_float(p["mean_abs"]), rel_l2=_float(p["rel_l2"]), cosine=_float(p["cosine"]),
+                       tolerance=Tolerance(_float(tolerance["rel_l2"]),
+                                           _typed(tolerance.get("source", "default"), str, "a tolerance's source")),
+                       passed=_typed(p["passed"], bool, "passed"),
+                       noise=None if p.get("noise") is None else _float(p["noise"]),
+                       nonfinite=_typed(p.get("nonfinite"), (str, type(None)), "nonfinite"),
+                       compared=_typed(p.get("compared", True), bool, "compared"),
+                       run=_typed(p.get("run", 0), int, "run"))
 
 
 def merge_slices(reports: list[tuple[str, Report]]) -> Report:

@@ -13,6 +13,7 @@ times as many (and PARITY_FUZZ_SCALE with derandomization off, PARITY_FUZZ_RANDO
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import shutil
@@ -25,14 +26,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from parity import dumps, onnx_candidate, shards
+from parity import dumps, onnx_candidate, render, shards
 from parity.checkpoint import inside, inventory, open_checkpoint
 from parity.errors import ParityError
 from parity.golden import open_golden
 from parity.neutral import load
+from parity.report import Report, merge_slices
 from parity.runner import Models
 
 from .bad_inputs import GOLDEN, build, onnx_model
@@ -383,3 +386,32 @@ def test_external_data_never_leaves_the_model_directory(world, data, monkeypatch
         target = model_dir / location
         if not inside(target, model_dir) or ".." in location.split("/") or absolute:
             assert not accepted and sessions == [], location
+
+
+# --------------------------------------------------------------------------------------------
+# parity report merge
+
+
+@pytest.fixture(scope="module")
+def slices(world):
+    """The JSON reports of the tiny llama's two layers checked as slices."""
+    from parity.runner import check
+
+    built = world["built"]
+    return [json.loads(render.WRITERS[".json"](check(built.checkpoint, built.neutral, layerwise=True, layers=span)))
+            for span in ("0:1", "1:2")]
+
+
+@fuzz(60)
+@given(data=st.data())
+def test_corrupted_reports_to_merge(slices, data):
+    k = data.draw(st.integers(0, 1))
+    docs = list(slices)
+    docs[k] = data.draw(corrupted(docs[k]))
+    reports = ends_well(lambda: [(f"slice{i}.json", Report.from_json(doc, f"slice{i}.json"))
+                                 for i, doc in enumerate(docs)])
+    merged = reports and ends_well(merge_slices, reports)
+    if merged:  # what merge then does with it must work
+        render.console(merged, Console(file=io.StringIO(), width=120))
+        for fmt in render.WRITERS:
+            render.WRITERS[fmt](merged)
