@@ -809,6 +809,15 @@ class LayerInputs:
         return x if ref is None else ref.to(x.device, x.dtype)
 
 
+def _points_fit(ckpt: Checkpoint, ids: torch.Tensor, points: set[str], device: str) -> bool:
+    """Whether the reference's float32 points (the logits [positions, vocabulary] included) take under a tenth of
+    the memory free where it runs."""
+    vocab, hidden = next(t.shape for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))
+    nbytes = ids.numel() * 4 * sum(vocab if p == "logits" else hidden for p in points)
+    free = _memory(device)
+    return free is None or nbytes < 0.1 * free
+
+
 def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor, dtype: str, layerwise: bool,
                 isolate: bool, calibrate: bool, tolerances: Tolerances, progress: Callable[[str], None] | None,
                 inject: str | None = None, kept: dict | None = None, golden=None,
@@ -840,17 +849,18 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     # (or float64 for a float32 check): their distance is each point's own precision noise. An isolated
     # check calibrates in isolation too: the noisy reference's layers are fed the float32 reference's inputs,
     # so each point's noise is one layer's, not the noise accumulated over the layers before it.
+    # held whole, the models run one after the other when the reference's points fit beside them: side by side
+    # they would share the same cores, each op already spread over all of them, and pay for it; streamed (or
+    # with points too many to hold), they run in step, so that few points are held at a time
+    ahead = not models.stream and golden is None and _points_fit(ckpt, ids, needed, models.device["reference"])
     if golden is not None:  # stored activations (and noise), in place of transformers
         wanted = [n for n in wanted if n in golden.points]
         streams = {"reference": Stream(only(golden.runner(run_index), needed), "golden")}
     else:
         say("loading the reference")
-        # held whole, the models run one after the other: run side by side, they would share the same cores,
-        # each op already spread over all of them, and pay for it (the reference's points are held meanwhile,
-        # less than the models themselves); streamed, they run in step, so that few points are held
         streams = {"reference": Stream(hf_runner(models, ckpt, torch.float32, ids, points=needed,
                                                  on_layer=layer_done("reference"), last=last), "reference",
-                                       bound=4 if models.stream else 0)}
+                                       bound=0 if ahead else 4)}
     if calibrate and golden is None:
         other = torch.float64 if low == torch.float32 else low
         say(f"loading the reference at {str(other).removeprefix('torch.')} for calibration")
@@ -918,7 +928,7 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
         if name.endswith(".out"):
             say(f"compared {name}")
 
-    if not models.stream and golden is None:
+    if ahead:
         streams["reference"].thread.join()
         if done_with_reference:  # the candidate is loaded into the memory the reference held
             models.release("reference")

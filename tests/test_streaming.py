@@ -148,3 +148,23 @@ def test_devices_are_checked_before_anything_runs(tiny_dir, neutral_dir):
         with pytest.raises(ParityError, match="no CUDA GPU"):
             runner.check(tiny_dir("llama"), neutral_dir("llama"), device="cuda:0")
     assert runner.resolve_device("auto") in ("cpu", "mps", "cuda:0", "auto")
+
+
+def test_held_whole_the_reference_runs_first_and_is_dropped_before_the_candidate_loads(tiny_dir, neutral_dir,
+                                                                                     monkeypatch):
+    held: list[list] = []  # the transformers models held when the candidate loads
+    original = runner.Models.neutral
+
+    def spy(self, *args, **kwargs):
+        held.append([key for key in self.loaded if key[0] == "hf"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(runner.Models, "neutral", spy)
+    ahead = runner.check(tiny_dir("llama"), neutral_dir("llama"), layerwise=True, stream=False)
+    assert ahead and held == [[]]
+    # points too many to hold beside the models: the two run in step, the reference held throughout
+    held.clear()
+    monkeypatch.setattr(runner, "_points_fit", lambda *args: False)
+    in_step = runner.check(tiny_dir("llama"), neutral_dir("llama"), layerwise=True, stream=False)
+    assert in_step and len(held) == 1 and len(held[0]) == 1
+    assert [(p.name, p.rel_l2) for p in in_step.points] == [(p.name, p.rel_l2) for p in ahead.points]
