@@ -194,7 +194,6 @@ class ShardWriter:
         self.shard = shard
         self.expected = iter(shard.tensors)
         self.sha = Sha256()
-        self._spare: torch.Tensor | None = None  # the copy being hashed (as large as the largest tensor)
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         for t in shard.tensors:
@@ -207,18 +206,9 @@ class ShardWriter:
         self._put(struct.pack("<Q", len(raw)) + raw)
 
     def _put(self, data: bytes | memoryview) -> None:
-        # hashed from a copy, on the hashing thread, while this returns and the caller reads its next tensor (a
-        # converter would otherwise hash what it reads and what it writes in turn, never at once); the caller
-        # may reuse its memory as soon as write returns, the copy stays untouched until its hash is done
-        self.sha.wait()
-        n = memoryview(data).nbytes
-        if self._spare is None or self._spare.numel() < n:
-            self._spare = None
-            self._spare = torch.empty(n, dtype=torch.uint8)
-        spare = memoryview(self._spare.numpy())[:n]
-        spare[:] = memoryview(data).cast("B")
-        self.sha.update(spare)
+        self.sha.update(data)  # hashed while it is written
         self.file.write(data)
+        self.sha.wait()  # the caller may reuse the tensor's memory once write returns
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         planned = next(self.expected)
