@@ -176,10 +176,10 @@ def _float(x) -> float:
 def _point(p: dict) -> PointResult:
     from . import names
 
-    _typed(p, dict, "a point")
-    names.point_order(_typed(p["name"], str, "a point's name"))  # a name parity can place in forward order
+    name = _typed(_typed(p, dict, "a point")["name"], str, "a point's name")
+    names.point_order(name)  # a name parity can place in forward order
     tolerance = _typed(p["tolerance"], dict, "a point's tolerance")
-    return PointResult(name=_typed(p["name"], str, "a point's name"), max_abs=_float(p["max_abs"]),
+    return PointResult(name=name, max_abs=_float(p["max_abs"]),
                        mean_abs=_float(p["mean_abs"]), rel_l2=_float(p["rel_l2"]), cosine=_float(p["cosine"]),
                        tolerance=Tolerance(_float(tolerance["rel_l2"]),
                                            _typed(tolerance.get("source", "default"), str, "a tolerance's source")),
