@@ -93,6 +93,7 @@ CHOICES: dict[str, tuple] = {
     "mlp.activation": ("gelu_exact", "gelu_tanh", "silu", "relu"),
     "mlp.moe_routing": ("none", "softmax", "sigmoid"),
     "mlp.moe_router_dtype": ("float32", "model"),
+    "mlp.moe_weights_dtype": ("float32", "model"),
     "embedding.scale_dtype": ("model", "float32"),
 }
 
@@ -200,6 +201,10 @@ class MLPConvention(_Strict):
     moe_scale: Value             # routed output multiplier (routed_scaling_factor); none = 1
     moe_router_input_scale: Value  # the router's input is multiplied by this (Gemma 4: hidden ** -0.5)
     moe_router_dtype: Value      # "float32": router weights kept and applied in float32 (DeepSeek-V3); "model"
+    # The dtype in which the routing weights multiply the experts' outputs: "float32" (the weights stay float32,
+    # as DeepSeek-V3, Gemma 4 and Mixtral leave them), or "model" (cast to the model dtype first, as
+    # Qwen3MoeTopKRouter does). Only a low-precision run can tell; absent means "float32".
+    moe_weights_dtype: Value = "float32"
 
 
 class EmbeddingConvention(_Strict):
@@ -247,6 +252,24 @@ class TensorEntry(_Strict):
     split: Union[Split, None] = None
 
 
+# What a saved buffer holds, and so how ``inspect`` checks it against the config.
+BUFFER_KINDS = ("rope_inv_freq", "position_ids", "token_type_ids", "causal_mask", "mask_value")
+
+
+class Buffer(_Strict):
+    """A buffer some checkpoints carry beside the weights (persistent in older transformers, or kept by merge
+    and re-save tools): recognised, listed apart, checked where it encodes a convention, never converted.
+
+    ``kind``: ``rope_inv_freq`` (RoPE inverse frequencies: must agree with rope_theta / rope_scaling),
+    ``position_ids`` (``arange``), ``token_type_ids`` (zeros), ``causal_mask`` (a lower-triangular mask),
+    ``mask_value`` (the fill value of masked scores).
+    """
+
+    hf: str
+    kind: Literal[BUFFER_KINDS]
+    when: Union[str, None] = None
+
+
 class CapturePoint(_Strict):
     """Where a capture point is read: a module's input (``arg``) or output (``field``)."""
 
@@ -278,6 +301,10 @@ class AdapterFile(_Strict):
     embedding: EmbeddingConvention
     norms: list[NormModule]
     tensors: list[TensorEntry]
+    buffers: list[Buffer] = []
+    # Legacy tensor-name endings some checkpoints still use -> today's (BERT's TF-era ``LayerNorm.gamma``);
+    # transformers renames them on load, and so does the tensor check.
+    legacy_names: dict[str, str] = {}
     capture: dict[str, CapturePoint]
     tiny: Tiny
 
@@ -377,6 +404,8 @@ def _check_semantics(spec: AdapterFile, path: Path) -> None:
             raise _fail(path, f"tensors[{k}].split.sizes", f"{len(t.split.sizes)} sizes for {len(targets)} neutral names")
         for source in [*t.shape, t.when, t.experts, *(t.split.sizes if t.split else [])]:
             _check_expr(path, f"tensors[{k}]", source)
+    for k, b in enumerate(spec.buffers):
+        _check_expr(path, f"buffers[{k}]", b.when)
     if not any(spec.tiny.architecture in v.architectures for v in spec.variants):
         raise _fail(path, "tiny.architecture", f"{spec.tiny.architecture!r} is not one of the variants' architectures")
     for key, source in spec.tiny.expr.items():
@@ -506,6 +535,13 @@ class ResolvedTensor:
 
 
 @dataclass(frozen=True)
+class ResolvedBuffer:
+    hf: str
+    kind: str
+    layer: int | None
+
+
+@dataclass(frozen=True)
 class ResolvedCapture:
     name: str
     module: str
@@ -526,6 +562,7 @@ class Resolved:
     norms: list[ResolvedNorm]
     tensors: list[ResolvedTensor]
     capture: list[ResolvedCapture]
+    buffers: list[ResolvedBuffer] = field(default_factory=list)
     env: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @property
@@ -541,6 +578,16 @@ class Resolved:
 
     def tensor_map(self, prefix: str) -> dict[str, ResolvedTensor]:
         return {t.hf.replace("{prefix}", prefix): t for t in self.tensors}
+
+    def buffer_map(self, prefix: str) -> dict[str, ResolvedBuffer]:
+        return {b.hf.replace("{prefix}", prefix): b for b in self.buffers}
+
+    def canonical_name(self, name: str) -> str:
+        """A checkpoint tensor's name with legacy endings (``LayerNorm.gamma``) renamed as transformers does."""
+        for old, new in self.adapter.spec.legacy_names.items():
+            if name.endswith(old):
+                return name[: len(name) - len(old)] + new
+        return name
 
 
 _ABSENT = object()
@@ -707,6 +754,9 @@ def resolve(adapter: Adapter, variant: Variant, config: dict, wrapper: dict | No
                 tensors.append(ResolvedTensor(_fill(t.hf, i=i), tuple(_fill(n, i=i) for n in targets),
                                               shape, t.transpose, False, split))
 
+    buffers = [ResolvedBuffer(_fill(b.hf, i=i), b.kind, i)
+               for k, b in enumerate(spec.buffers) for i in r.each_layer(b.hf, b.when, f"buffers[{k}]")]
+
     capture: list[ResolvedCapture] = []
     for point, where in spec.capture.items():
         for i in r.each_layer(point, where.when, f"capture.{point}"):
@@ -714,7 +764,7 @@ def resolve(adapter: Adapter, variant: Variant, config: dict, wrapper: dict | No
                                            where.io, where.arg, where.field))
     capture.sort(key=lambda c: names.point_order(c.name))
 
-    return Resolved(adapter, variant, config, r.num_layers, settings, norms, tensors, capture, env=r.env)
+    return Resolved(adapter, variant, config, r.num_layers, settings, norms, tensors, capture, buffers, env=r.env)
 
 
 def text_config(config: dict, variant: Variant, source: str = "config.json") -> dict:

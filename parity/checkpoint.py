@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .adapter import Adapter, Resolved, Variant, ignored, load_all, recognise, resolve, text_config
+from .adapter import Adapter, Resolved, ResolvedTensor, Variant, ignored, load_all, recognise, resolve, text_config
 from .errors import ParityError
+from .quantization import FP8_DTYPES, BlockFP8, read_quantization, scale_name, scale_shape
 from .shards import read_header
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -197,7 +198,10 @@ def check_index(directory: Path, tensors: dict[str, TensorInfo]) -> None:
 
 @dataclass
 class TensorCheck:
-    """How a checkpoint's tensors line up with the adapter's tensor map."""
+    """How a checkpoint's tensors line up with the adapter's tensor map.
+
+    Names in ``missing`` are the adapter's; every other list holds names as stored in the checkpoint.
+    """
 
     prefix: str
     matched: int
@@ -205,6 +209,9 @@ class TensorCheck:
     unexpected: list[str] = field(default_factory=list)
     wrong_shape: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    buffers: list[str] = field(default_factory=list)       # saved buffers, not weights
+    scales: list[str] = field(default_factory=list)        # FP8 block scales of quantized weights
+    stored: dict[str, str] = field(default_factory=dict)   # adapter name -> name in the checkpoint (legacy names)
 
     @property
     def ok(self) -> bool:
@@ -219,23 +226,65 @@ class TensorCheck:
         return "; ".join(parts)
 
 
-def check_tensors(resolved: Resolved, tensors: dict[str, TensorInfo]) -> TensorCheck:
-    """Every tensor accounted for, none missing, every shape as the config implies."""
+def check_tensors(resolved: Resolved, tensors: dict[str, TensorInfo],
+                  quantization: BlockFP8 | None = None) -> TensorCheck:
+    """Every tensor accounted for, none missing, every shape as the config implies.
+
+    Legacy names (``LayerNorm.gamma``) count as today's; a checkpoint holding both forms of one tensor keeps
+    the current one and the legacy one is unexpected. Saved buffers are listed apart, and so are the block
+    scales of a quantized checkpoint's FP8 weights (each of the shape its weight and block imply).
+    """
+    by_name: dict[str, str] = {}  # adapter-convention name -> stored name
+    legacy: list[str] = []
+    for name in sorted(tensors):
+        canonical = resolved.canonical_name(name)
+        if canonical != name and canonical in tensors:
+            legacy.append(name)
+        else:
+            by_name[canonical] = name
     best: TensorCheck | None = None
     for prefix in resolved.variant.tensor_prefix:
         expected = resolved.tensor_map(prefix)
-        check = TensorCheck(prefix, matched=len(expected.keys() & tensors.keys()))
+        buffers = resolved.buffer_map(prefix)
+        check = TensorCheck(prefix, matched=len(expected.keys() & by_name.keys()), unexpected=list(legacy))
+        quantized: set[str] = set()
         for name, t in expected.items():
-            if name not in tensors:
+            if name not in by_name:
                 check.missing.append(name)
-            elif tensors[name].shape != t.shape:
-                check.wrong_shape.append(f"{name} {list(tensors[name].shape)} (expected {list(t.shape)})")
-        for name in sorted(tensors.keys() - expected.keys()):
-            (check.ignored if ignored(name, resolved.variant, resolved.env) else check.unexpected).append(name)
+                continue
+            stored = by_name[name]
+            check.stored[name] = stored
+            if tensors[stored].shape != t.shape:
+                check.wrong_shape.append(f"{stored} {list(tensors[stored].shape)} (expected {list(t.shape)})")
+            if quantization is not None and tensors[stored].dtype in FP8_DTYPES:
+                scale = scale_name(stored)
+                want = scale_shape(t.shape, quantization.block)
+                if scale not in tensors:
+                    check.missing.append(scale)
+                elif tensors[scale].shape != want:
+                    check.wrong_shape.append(f"{scale} {list(tensors[scale].shape)} (expected {list(want)} for "
+                                             f"{quantization.block[0]}x{quantization.block[1]} blocks)")
+                quantized.add(scale)
+        for name in sorted(by_name.keys() - expected.keys()):
+            stored = by_name[name]
+            if stored in quantized:
+                check.scales.append(stored)
+            elif name in buffers:
+                check.buffers.append(stored)
+            elif ignored(stored, resolved.variant, resolved.env):
+                check.ignored.append(stored)
+            else:
+                check.unexpected.append(stored)
+        check.unexpected.sort()
         if best is None or check.matched > best.matched:
             best = check
     assert best is not None  # a variant always has a prefix
     return best
+
+
+def stored_tensor_map(resolved: Resolved, check: TensorCheck) -> dict[str, ResolvedTensor]:
+    """The adapter's tensor map keyed by the names this checkpoint stores them under."""
+    return {check.stored.get(name, name): t for name, t in resolved.tensor_map(check.prefix).items()}
 
 
 @dataclass
@@ -250,10 +299,15 @@ class Checkpoint:
     resolved: Resolved
     files: list[Path]
     tensors: dict[str, TensorInfo]
+    quantization: BlockFP8 | None = None
 
     @property
     def has_weights(self) -> bool:
         return bool(self.files)
+
+    def check(self) -> TensorCheck:
+        """How this checkpoint's tensors line up with its adapter (check_tensors)."""
+        return check_tensors(self.resolved, self.tensors, self.quantization)
 
 
 def resolve_config(config: dict, cfg_path: Path, adapters: dict[str, Adapter]) -> tuple[Adapter, Variant, Resolved]:
@@ -276,8 +330,9 @@ def open_checkpoint(path: Path, adapter_dirs=(), *, adapters: dict[str, Adapter]
     config, cfg_path = read_config(path)
     adapter, variant, resolved = resolve_config(config, cfg_path, adapters if adapters is not None
                                                 else load_all(adapter_dirs))
+    quantization = read_quantization(config, str(cfg_path))
     files = weight_files(path) if path.is_dir() else []
     tensors = inventory(files)
     if files:
         check_index(path, tensors)
-    return Checkpoint(path, cfg_path, config, adapter, variant, resolved, files, tensors)
+    return Checkpoint(path, cfg_path, config, adapter, variant, resolved, files, tensors, quantization)

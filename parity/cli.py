@@ -161,6 +161,11 @@ def _inspect(path: Path, adapter_dirs, as_json: bool) -> None:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
         render(data, ckpt, Console())
+    w = data["weights"]
+    if w is not None and not w["accounted_for"]:  # the report is shown, and a gate on inspect sees damage
+        raise ParityError(f"{path}: its tensors do not match the {data['family']} adapter "
+                          f"({', '.join(f'{len(w[k])} {k}'.replace('_', ' ') for k in ('missing', 'unexpected', 'wrong_shape') if w[k])}); "
+                          f"check that config.json belongs to these weights")
 
 
 @cli.command("make-tiny", context_settings=CONTEXT)

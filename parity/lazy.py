@@ -211,8 +211,11 @@ class _Loader:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
 
+        from .quantization import Dequantizer
+
         self.model, self.ckpt, self.dtype, self.device = model, ckpt, dtype, device
-        self.files = TensorFiles({name: info.file for name, info in ckpt.tensors.items()})
+        self.deq = Dequantizer.of(ckpt)  # FP8 block-quantized weights are loaded dequantized; their scales unused
+        self.files = self.deq.files
         self.mapping = get_model_conversion_mapping(model)
         self.renamings = [m for m in self.mapping if isinstance(m, WeightRenaming)]
         self.converters = [m for m in self.mapping if isinstance(m, WeightConverter)]
@@ -252,7 +255,7 @@ class _Loader:
         source_of = {}
         for key in self.ckpt.tensors:
             renamed, pattern = self.rename(key)
-            if renamed in self.meta and pattern is None:
+            if renamed in self.meta and pattern is None and not self.deq.quantized(key):
                 source_of[renamed] = key
         embeddings = {}
         for path, module in self.model.named_modules():
@@ -280,7 +283,7 @@ class _Loader:
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        state = {key: self.files.read(key) for key in keys}
+        state = {key: self.deq.read(key) for key in keys}
         config = LoadStateDictConfig(dtype=self.dtype, dtype_plan=self.model._get_dtype_plan(self.dtype),
                                      weight_mapping=self.mapping, device_map={"": self.device})
         import transformers

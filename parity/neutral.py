@@ -21,8 +21,9 @@ from safetensors import safe_open
 
 from . import __version__, atomic, names
 from .adapter import Resolved, ResolvedNorm, ResolvedTensor
-from .checkpoint import Checkpoint, check_tensors, open_checkpoint, plain_file_name
+from .checkpoint import Checkpoint, open_checkpoint, plain_file_name, stored_tensor_map
 from .errors import ParityError
+from .quantization import Dequantizer, dequantization_error, dequantize, quantized_weights
 from .shards import Header, PlannedTensor, Sha256, ShardWriter, plan, read_header, sha256_file
 
 FORMAT = "parity-neutral"
@@ -30,6 +31,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SOURCE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+READ_DTYPES = {**SOURCE_DTYPES, "F8_E4M3": torch.float8_e4m3fn}  # FP8 only with block scales (parity.quantization)
 DEFAULT_SHARD_BYTES = 5 * 2**30
 READ_CHUNK = 64 * 2**20  # source bytes read, and hashed, at a time
 
@@ -57,7 +59,8 @@ def _norm(r: Resolved, n: ResolvedNorm | None) -> dict | None:
     }
 
 
-def _rope(r: Resolved, i: int, style: str) -> dict | None:
+def rope_settings(r: Resolved, i: int, style: str) -> dict | None:
+    """Layer i's RoPE as the manifest states it (None without RoPE)."""
     if r["positions.kind"] != "rope":
         return None
     return {
@@ -94,7 +97,7 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
         "v_norm": norm("attn.v_norm"),
         "k_eq_v": bool(at("attention.k_eq_v")),
         "kv_shared_from": at("attention.kv_shared_from"),
-        "rope": _rope(r, i, rope_style),
+        "rope": rope_settings(r, i, rope_style),
         "mla": None,
     }
     if attention["kind"] == "mla":
@@ -128,6 +131,7 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
             "router_norm": norm("moe.router_norm"),
             "router_input_scale": at("mlp.moe_router_input_scale"),
             "router_dtype": at("mlp.moe_router_dtype"),
+            "weights_dtype": at("mlp.moe_weights_dtype"),  # where the routing weights multiply the experts' outputs
             "expert_norm": norm("moe_norm"),
             "expert_post_norm": norm("moe_post_norm"),
             "dense_post_norm": norm("mlp_dense_post_norm"),
@@ -221,13 +225,11 @@ def to_neutral(t: ResolvedTensor, x: torch.Tensor) -> Iterator[tuple[str, torch.
 def neutral_subset(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
     """The neutral tensors ``keep`` selects, converted from the checkpoint's files without reading the rest
     (the diagnosis re-runs one layer of a model too big to convert whole)."""
-    from .lazy import TensorFiles
-
     r = ckpt.resolved
-    files = TensorFiles({name: info.file for name, info in ckpt.tensors.items()})
+    files = Dequantizer.of(ckpt)  # FP8 weights read dequantized, in float32
     source_style = r["positions.rope_style"]
     out: dict[str, torch.Tensor] = {}
-    for hf_name, t in r.tensor_map(check_tensors(r, ckpt.tensors).prefix).items():
+    for hf_name, t in stored_tensor_map(r, ckpt.check()).items():
         if not any(keep(name) for name, _ in _neutral_shapes(t)):
             continue
         for name, y in to_neutral(t, files.read(hf_name)):
@@ -334,7 +336,7 @@ class _Reader:
                     entry = header.tensors[name]
                     if name in wanted:
                         raw = self._read(f, file, entry.end - entry.begin, sha)
-                        yield name, raw.view(SOURCE_DTYPES[entry.dtype]).reshape(entry.shape)
+                        yield name, raw.view(READ_DTYPES[entry.dtype]).reshape(entry.shape)
                     else:  # hashed, not kept
                         for start in range(entry.begin, entry.end, READ_CHUNK):
                             self._read(f, file, min(READ_CHUNK, entry.end - start), sha)
@@ -374,10 +376,12 @@ def file_order(header: Header) -> list[str]:
 def _check_for_conversion(ckpt: Checkpoint) -> None:
     if not ckpt.has_weights:
         raise ParityError(f"{ckpt.path}: no weights (a config alone cannot be converted); give a checkpoint directory")
-    check = check_tensors(ckpt.resolved, ckpt.tensors)
-    wrong_dtype = sorted(f"{n} ({ckpt.tensors[n].dtype}, expected F32, BF16 or F16)"
-                         for n in ckpt.resolved.tensor_map(check.prefix)
-                         if n in ckpt.tensors and ckpt.tensors[n].dtype not in SOURCE_DTYPES)
+    check = ckpt.check()
+    scaled = set(quantized_weights(ckpt.tensors)) if ckpt.quantization else set()
+    wrong_dtype = sorted(f"{n} ({ckpt.tensors[n].dtype}, expected F32, BF16 or F16"
+                         f"{'' if ckpt.quantization else '; FP8 weights need the quantization_config that says how they are scaled'})"
+                         for n in stored_tensor_map(ckpt.resolved, check)
+                         if n in ckpt.tensors and ckpt.tensors[n].dtype not in SOURCE_DTYPES and n not in scaled)
     if not check.ok or wrong_dtype:
         problems = check.problems() + (f"; wrong dtype ({len(wrong_dtype)}): {', '.join(wrong_dtype)}"
                                        if wrong_dtype else "")
@@ -391,12 +395,16 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
     ckpt = open_checkpoint(Path(path), adapter_dirs)
     _check_for_conversion(ckpt)
     r = ckpt.resolved
-    check = check_tensors(r, ckpt.tensors)
+    check = ckpt.check()
     if dtype is not None and dtype not in DTYPES:
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    source_dtypes = {ckpt.tensors[n].dtype for n in r.tensor_map(check.prefix)}
+    tensor_map = stored_tensor_map(r, check)
+    deq = Dequantizer.of(ckpt)
+    # FP8 weights become the dtype of the checkpoint's other tensors (bf16 in the released FP8 models)
+    source_dtypes = {ckpt.tensors[n].dtype for n in tensor_map if not deq.quantized(n)}
     target = DTYPES[dtype] if dtype else (SOURCE_DTYPES[source_dtypes.pop()] if len(source_dtypes) == 1
                                           else torch.float32)
+    errors: dict[str, float] = {}  # FP8 weight -> rel_l2 of its dequantization at the target dtype
     source_style = r["positions.rope_style"]
     style = rope_style or source_style
     if rope_style not in (None, "half", "interleaved"):
@@ -406,7 +414,6 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
 
     # source hashes come from the conversion's own reads (_Reader), filled in before the manifest is written
     manifest = build_manifest(ckpt, target, style, check.prefix, hashes=False)
-    tensor_map = r.tensor_map(check.prefix)
     headers = {f: read_header(f) for f in ckpt.files}
     # planned in source order, so that each tensor is written as soon as the one pass has read it
     order = [n for f in ckpt.files for hf_name in file_order(headers[f]) if hf_name in tensor_map
@@ -427,6 +434,10 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
         files: dict[str, dict] = {}
         for f in ckpt.files:
             for hf_name, x in reader.tensors(f, headers[f], tensor_map):
+                if deq.quantized(hf_name):  # in float32; written at the target dtype, whose rounding is measured
+                    raw, scale = x, deq.scale(hf_name)
+                    x = dequantize(raw, scale, ckpt.quantization.block)
+                    errors[hf_name] = dequantization_error(raw, scale, ckpt.quantization.block, x.to(target))
                 for name, y in to_neutral(tensor_map[hf_name], x):
                     layer = layer_of(name)
                     if layer is not None:
@@ -440,6 +451,8 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
                     written += 1
         files[shard.path.name] = {"sha256": writer.close(), "bytes": shard.path.stat().st_size}
         manifest["source"]["files"] = reader.sha256
+        if ckpt.quantization is not None:
+            manifest["source"]["quantization"] = dequantization_summary(ckpt.quantization, errors, target)
         for name, info in manifest["tensors"].items():
             info["file"] = where[name]
         if len(shards) > 1:
@@ -449,6 +462,15 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _copy_tokenizer(ckpt.path, tmp)
     return manifest
+
+
+def dequantization_summary(quantization, errors: dict[str, float], target: torch.dtype) -> dict:
+    """What a converted FP8 checkpoint's manifest says of it: the quantization, and the error of writing the
+    dequantized weights at the target dtype (rel_l2 against the exact product)."""
+    worst = max(errors, key=errors.get) if errors else None
+    return {**quantization.to_json(), "dequantized": len(errors), "dtype": str(target).removeprefix("torch."),
+            "rel_l2_max": errors[worst] if worst else 0.0,
+            "rel_l2_mean": sum(errors.values()) / len(errors) if errors else 0.0, "worst": worst}
 
 
 def _copy_tokenizer(source: Path, out: Path) -> None:
@@ -556,6 +578,7 @@ class _MoeSpec(StrictSpec):
     router_norm: _Norm = None
     router_input_scale: Optional[_Num] = None
     router_dtype: Literal["float32", "model"]
+    weights_dtype: Literal["float32", "model"] = "float32"
     expert_norm: _Norm
     expert_post_norm: _Norm
     dense_post_norm: _Norm

@@ -198,6 +198,20 @@ def _extras(report: Report) -> list[tuple[str, list[str]]]:
         items = [f"{k} {_num(report.logits[k])}" for k in LOGIT_KEYS if report.logits.get(k) is not None]
         if items:
             out.append(("logits", [" · ".join(items)]))
+    quantized = []
+    for role, side in (("reference", report.reference), ("candidate", report.candidate)):
+        q = side.get("quantization")
+        if isinstance(q, dict):
+            what = f"FP8 {q.get('format', '?')} in {'x'.join(map(str, q.get('block') or []))} blocks"
+            if role == "reference":
+                quantized.append(f"reference: {what}, dequantized to {q.get('dequantized_to')} by "
+                                 f"{q.get('dequantized_by')}")
+            else:
+                quantized.append(f"candidate: {what}, {q.get('dequantized')} weights dequantized to {q.get('dtype')}: "
+                                 f"rel_l2 max {_num(q.get('rel_l2_max', 0))} ({q.get('worst')}), "
+                                 f"mean {_num(q.get('rel_l2_mean', 0))}")
+    if quantized:
+        out.append(("quantization", quantized))
     if report.diagnosis:
         out.append(("diagnosis", [f"{d.get('bug', 'unknown')} (confidence {_num(d.get('confidence', 0))}): "
                                   f"{d.get('evidence', '')}" for d in report.diagnosis]))

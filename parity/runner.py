@@ -613,6 +613,7 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
                                                   candidate_device)
         if stream and progress:
             progress("the models do not fit in memory: streaming their weights a layer at a time")
+    _describe_quantization(report, ckpt, golden, kind, Path(candidate), stream)
     models = Models(adapter_dirs, stream=stream, device=device, candidate_device=candidate_device)
     models.options = _candidate_options(kind, provider, maps, layerwise)
     kept_by_run: dict[int, dict] = {}  # the tensors a diagnosis needs, for each input that failed
@@ -680,12 +681,26 @@ def _check_span(span: Span, ckpt: Checkpoint, golden, kind: str, generate: int, 
                                   f"layer {source}; start the slice at {source} or earlier")
 
 
+def _describe_quantization(report: Report, ckpt: Checkpoint, golden, kind: str, candidate: Path, stream: bool) -> None:
+    """An FP8 block-quantized reference runs on its dequantized weights (float32): the report says so, and what a
+    converted candidate's dequantization at its dtype cost (rel_l2 against the exact product)."""
+    if golden is None and ckpt.quantization is not None:
+        report.reference["quantization"] = {**ckpt.quantization.to_json(), "dequantized_to": "float32",
+                                            "dequantized_by": "parity, a layer at a time" if stream else "transformers"}
+    if kind == "neutral":
+        from .neutral import read_manifest
+
+        q = read_manifest(candidate)["source"].get("quantization")
+        if q is not None:
+            report.candidate["quantization"] = q
+
+
 def _refuse_mismatched(ckpt: Checkpoint, role: str) -> None:
     """A checkpoint whose tensors are missing or misshapen for its config: transformers would crash on it, or
     initialise the missing weights at random and give a verdict about noise."""
     from .checkpoint import check_tensors
 
-    found = check_tensors(ckpt.resolved, ckpt.tensors)
+    found = ckpt.check()
     if found.missing or found.wrong_shape:
         problems = "; ".join(f"{label} ({len(items)}): {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
                              for label, items in (("missing", found.missing), ("wrong shape", found.wrong_shape))
