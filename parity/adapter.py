@@ -253,7 +253,7 @@ class TensorEntry(_Strict):
 
 
 # What a saved buffer holds, and so how ``inspect`` checks it against the config.
-BUFFER_KINDS = ("rope_inv_freq", "position_ids", "token_type_ids", "causal_mask", "mask_value")
+BUFFER_KINDS = ("rope_inv_freq", "position_ids", "token_type_ids", "causal_mask", "mask_value", "tied_copy")
 
 
 class Buffer(_Strict):
@@ -262,12 +262,20 @@ class Buffer(_Strict):
 
     ``kind``: ``rope_inv_freq`` (RoPE inverse frequencies: must agree with rope_theta / rope_scaling),
     ``position_ids`` (``arange``), ``token_type_ids`` (zeros), ``causal_mask`` (a lower-triangular mask),
-    ``mask_value`` (the fill value of masked scores).
+    ``mask_value`` (the fill value of masked scores), ``tied_copy`` (a tied head saved anyway: it must equal
+    ``same_as``, or transformers unties the two and uses it).
     """
 
     hf: str
     kind: Literal[BUFFER_KINDS]
     when: Union[str, None] = None
+    same_as: Union[str, None] = None
+
+    @model_validator(mode="after")
+    def _same_as(self):
+        if (self.kind == "tied_copy") != (self.same_as is not None):
+            raise ValueError("give 'same_as' (the tensor it copies) exactly for kind 'tied_copy'")
+        return self
 
 
 class CapturePoint(_Strict):
@@ -539,6 +547,7 @@ class ResolvedBuffer:
     hf: str
     kind: str
     layer: int | None
+    same_as: str | None = None
 
 
 @dataclass(frozen=True)
@@ -754,7 +763,7 @@ def resolve(adapter: Adapter, variant: Variant, config: dict, wrapper: dict | No
                 tensors.append(ResolvedTensor(_fill(t.hf, i=i), tuple(_fill(n, i=i) for n in targets),
                                               shape, t.transpose, False, split))
 
-    buffers = [ResolvedBuffer(_fill(b.hf, i=i), b.kind, i)
+    buffers = [ResolvedBuffer(_fill(b.hf, i=i), b.kind, i, b.same_as and _fill(b.same_as, i=i))
                for k, b in enumerate(spec.buffers) for i in r.each_layer(b.hf, b.when, f"buffers[{k}]")]
 
     capture: list[ResolvedCapture] = []

@@ -387,6 +387,11 @@ def _check_for_conversion(ckpt: Checkpoint) -> None:
                                        if wrong_dtype else "")
         raise ParityError(f"{ckpt.path}: tensors do not match the {ckpt.resolved.family} adapter: "
                           f"{problems.lstrip('; ')}")
+    from .buffers import check_buffers
+
+    for b in check_buffers(ckpt, check):  # a head transformers unties would be tied in the neutral model
+        if b["kind"] == "tied_copy" and not b["agrees"]:
+            raise ParityError(f"{ckpt.path}: {b['name']} {b['note']}")
 
 
 def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str | None = None, force: bool = False,

@@ -182,3 +182,25 @@ def test_legacy_and_current_name_of_one_tensor_is_unexpected(minilm_style_bert):
     ckpt = open_checkpoint(path)
     check = check_tensors(ckpt.resolved, ckpt.tensors)
     assert check.unexpected == ["embeddings.LayerNorm.gamma"]
+
+
+def test_a_tied_head_saved_anyway_is_a_copy_or_refused(tmp_path):
+    """Qwen2.5-style tied model whose re-save kept lm_head.weight: equal to the embeddings it is recognised; if it
+    differs, transformers unties the two, so convert refuses (exit 2) and says how to fix the config."""
+    path = make_tiny(ADAPTERS["qwen2"], tmp_path / "q")
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    _rewrite(path, lambda sd: {**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()})
+    assert _buffers(path)["lm_head.weight"] == {
+        "name": "lm_head.weight", "kind": "tied_copy", "shape": list(load_file(path / "model.safetensors")
+                                                                     ["lm_head.weight"].shape),
+        "dtype": "F32", "agrees": True, "note": "the same values as model.embed_tokens.weight: tied, as the config says"}
+    assert _cli("convert", path, "--to", "neutral", "-o", tmp_path / "n").exit_code == 0
+    assert _cli("check", "--reference", path, "--candidate", tmp_path / "n", "--layerwise").exit_code == 0
+
+    _rewrite(path, lambda sd: {**sd, "lm_head.weight": sd["lm_head.weight"] * 1.5})
+    assert not _buffers(path)["lm_head.weight"]["agrees"]
+    result = CliRunner().invoke(cli, ["convert", str(path), "--to", "neutral", "-o", str(tmp_path / "m")])
+    assert result.exit_code == 2 and "set tie_word_embeddings to false" in result.stderr
+    assert not (tmp_path / "m").exists()
