@@ -69,3 +69,11 @@ def dequantized_twin(source: Path, out: Path, exact: dict[str, torch.Tensor]) ->
     del config["quantization_config"]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+if __name__ == "__main__":  # python -m tests.fp8 SOURCE OUT [ROWSxCOLS]: the README's FP8 example
+    import sys
+
+    rows, cols = (int(n) for n in (sys.argv[3] if len(sys.argv) > 3 else "128x128").split("x"))
+    made = quantize(Path(sys.argv[1]), Path(sys.argv[2]), (rows, cols))
+    print(f"wrote {sys.argv[2]}: {len(made)} weights in FP8 e4m3, {rows}x{cols} blocks")
