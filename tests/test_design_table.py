@@ -18,6 +18,9 @@ TABLE = {
     "qwen2.5-0.5b.json": ("qwen2", "RMSNorm", 1e-6, "w", "Pre-Norm", "2"),
     "qwen3-8b.json": ("qwen3", "RMSNorm", 1e-6, "w", "Pre-Norm", "2 + q/k norm"),
     "deepseek-v3.json": ("deepseek_v3", "RMSNorm", None, "w", "Pre-Norm", "2 + 2 inside MLA"),
+    # families added after DESIGN.md's table: Qwen3's and Mistral's norms, with MoE feed-forwards (no MoE norms)
+    "qwen3-30b-a3b.json": ("qwen3_moe", "RMSNorm", 1e-6, "w", "Pre-Norm", "2 + q/k norm"),
+    "mixtral-8x7b-v0.1.json": ("mixtral", "RMSNorm", 1e-5, "w", "Pre-Norm", "2"),
     "olmo-2-1124-13b.json": ("olmo2", "RMSNorm", None, "w", "norm on sublayer output", "2 + q/k norm"),
     "codegemma-7b-it-ft.json": ("gemma", "RMSNorm", None, "1 + w", "Pre-Norm", "2"),
     "gemma-2-9b.json": ("gemma2", "RMSNorm", None, "1 + w", "sandwich", "4"),

@@ -30,6 +30,8 @@ PINNED = {
     "gpt2.json": (64, {}),
     "bert-base-uncased.json": (64, {}),
     "codegemma-7b-it-ft.json": (64, {}),
+    "qwen3-30b-a3b.json": (64, {}),           # use_sliding_window false: no window
+    "mixtral-8x7b-v0.1.json": (64, {}),       # sliding_window null
 }
 
 

@@ -11,17 +11,20 @@ Two routings exist (transformers 5 semantics, which these functions reproduce op
     experts are chosen. Their *weights* are the un-biased ``scores``, renormalised to sum 1 when
     ``renormalise``, times ``scale`` (routed_scaling_factor).
 
-``softmax`` (Gemma 4, ``Gemma4TextRouter``)
-    The router input is normed by a weightless RMSNorm (``router_norm``), times the
-    ``moe.router.scale`` vector, times ``router_input_scale`` (hidden ** -0.5), in the model dtype;
-    logits = that @ router.weight.T in the model dtype; probabilities = softmax over all experts in
-    float32; top-k; renormalised to sum 1; times ``moe.router.expert_scale[expert]``.
+``softmax`` (Gemma 4 ``Gemma4TextRouter``, Mixtral ``MixtralTopKRouter``, Qwen3-MoE ``Qwen3MoeTopKRouter``)
+    Gemma 4 only: the router input is normed by a weightless RMSNorm (``router_norm``), times the
+    ``moe.router.scale`` vector, times ``router_input_scale`` (hidden ** -0.5), in the model dtype.
+    logits = router input @ router.weight.T in the model dtype; probabilities = softmax over all
+    experts in float32; top-k; renormalised to sum 1 when ``renormalise`` (Gemma 4 and Mixtral always,
+    Qwen3-MoE when norm_topk_prob); Gemma 4: times ``moe.router.expert_scale[expert]``.
 
-Dtypes (the model dtype is that of the inputs): routing weights are float32 throughout. Each
-expert's gated MLP runs in the model dtype; its output times its float32 weight is accumulated
-over the k chosen experts in float32 and the sum is cast to the model dtype (transformers'
-default "grouped_mm" experts implementation). Shared experts run in the model dtype and are added
-to that sum in the model dtype.
+Dtypes (the model dtype is that of the inputs): routing weights are computed in float32. Each
+expert's gated MLP runs in the model dtype; its output times its weight is accumulated over the k
+chosen experts in float32 and the sum is cast to the model dtype (transformers' default "grouped_mm"
+experts implementation). The weight multiplies in float32 (``weights_dtype`` "float32", the default)
+or, where the router casts its weights to the model dtype first (Qwen3-MoE: ``weights_dtype``
+"model"), in the model dtype. Shared experts run in the model dtype and are added to that sum in the
+model dtype.
 
 Weights are a dict of neutral names relative to the layer (parity/names.py without "layers.{i}."):
 ``moe.router.weight`` [E, H], ``moe.router.score_bias`` [E], ``moe.router.scale`` [H],
@@ -51,9 +54,13 @@ def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict) -> Tens
             ``groups_kept``, ``renormalise``, ``scale``, ``shared_experts``, ``activation``,
             ``router_norm`` (None or {"kind": "rmsnorm", "eps", "weight": False}),
             ``router_input_scale``; optionally ``router_dtype`` ("float32" | "model": the dtype of
-            the router projection; default float32 for sigmoid routing, model for softmax).
+            the router projection; default float32 for sigmoid routing, model for softmax);
+            ``weights_dtype`` ("float32" | "model", default float32: the dtype in which the routing
+            weights multiply the experts' outputs).
     """
     weights, index = route(router_input, w, spec)                 # [T, k] float32, [T, k] int64
+    if spec.get("weights_dtype") == "model":
+        weights = weights.to(expert_input.dtype)                  # Qwen3-MoE: weights rounded to the model dtype
     act = ACTIVATIONS[spec["activation"]]
     out = routed_experts(expert_input, weights, index, w, act, spec["experts"])  # [T, H] model dtype
     if spec.get("shared_experts"):
@@ -115,7 +122,8 @@ def _sigmoid_choice(logits: Tensor, w: dict, spec: dict) -> tuple[Tensor, Tensor
 
 
 def routed_experts(x: Tensor, weights: Tensor, index: Tensor, w: dict, act, experts: int | None = None) -> Tensor:
-    """sum_j weights[t, j] * expert_{index[t, j]}(x[t]) [T, H]: products and sum in float32, cast to x.dtype.
+    """sum_j weights[t, j] * expert_{index[t, j]}(x[t]) [T, H]: products in the weights' dtype promoted with
+    x's (float32 weights: float32), sum in float32, cast to x.dtype.
 
     Each chosen expert runs on the tokens that chose it. A graph being exported (torch.export, for
     ONNX) cannot branch on which experts were chosen: there every one of the ``experts`` runs on every
@@ -132,7 +140,7 @@ def routed_experts(x: Tensor, weights: Tensor, index: Tensor, w: dict, act, expe
     for e in index.unique().tolist():
         token, slot = (index == e).nonzero(as_tuple=True)
         y = gated_mlp(x[token], w, f"moe.experts.{e}", act)       # [n, H] model dtype
-        contrib[token, slot] = y * weights[token, slot, None]     # float32
+        contrib[token, slot] = (y * weights[token, slot, None]).float()  # float32 (a model-dtype product widened)
     return contrib.sum(1).to(x.dtype)
 
 

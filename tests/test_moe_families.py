@@ -1,0 +1,259 @@
+"""Qwen3-MoE and Mixtral: softmax-routed top-k experts, against transformers' own modules.
+
+What the shared family tests do not pin down: that the adapters map the on-disk per-expert layouts
+(`mlp.experts.{e}.gate_proj` / `block_sparse_moe.experts.{e}.w1`) tensor for tensor, that the MoE layers are
+the ones transformers builds (Qwen3-MoE's `decoder_sparse_step` and `mlp_only_layers`), that the executor
+matches transformers at every capture point in float32 and its MoE block bit for bit in bfloat16 (where
+the routing weights multiply the experts' outputs: Qwen3-MoE casts them to the model dtype, Mixtral keeps
+them float32), and that a router normalisation mistake is caught where it happens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import parity
+from parity.adapter import recognise, resolve
+from parity.capture import run_and_capture
+from parity.checkpoint import check_tensors, open_checkpoint
+from parity.executor.model import NeutralModel
+from parity.executor.moe import moe, route
+from parity.neutral import convert, load
+
+from .conftest import ADAPTERS, FIXTURES, real_config
+
+MOE_FAMILIES = ["qwen3_moe", "mixtral"]
+PROMPT = torch.tensor([[(11 * k + 5) % 256 for k in range(48)]])
+# the MoE block as transformers names it in memory, and the first MoE layer of each tiny checkpoint
+BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}
+# per-expert tensor names on disk (what the released checkpoints hold), by neutral expert tensor
+ON_DISK = {
+    "qwen3_moe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
+                  "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
+    "mixtral": {"gate": "block_sparse_moe.experts.{e}.w1.weight", "up": "block_sparse_moe.experts.{e}.w3.weight",
+                "down": "block_sparse_moe.experts.{e}.w2.weight", "router": "block_sparse_moe.gate.weight"},
+}
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def neutral(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    made: dict = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            convert(tiny_dir(family), root / family)
+            made[family] = root / family
+        return made[family]
+
+    return get
+
+
+def _moe_layers(r) -> list[int]:
+    return [i for i in range(r.num_layers) if r.layer("mlp.moe", i)]
+
+
+# --------------------------------------------------------------------------------------------
+# The tensor map
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_every_tensor_of_the_tiny_checkpoint_is_mapped_expert_by_expert(family, tiny_dir):
+    ckpt = open_checkpoint(tiny_dir(family))
+    r = ckpt.resolved
+    check = check_tensors(r, ckpt.tensors)
+    assert check.ok, check.problems()
+    assert check.matched == len(ckpt.tensors)
+    with safe_open(tiny_dir(family) / "model.safetensors", "pt") as f:
+        stored = set(f.keys())
+    mapped = set(r.tensor_map("model.").keys())
+    assert mapped == stored
+    # transformers 5 fuses the experts in memory but writes them back one by one, as the released checkpoints hold them
+    assert not any("gate_up_proj" in name for name in stored)
+    experts = r.layer("mlp.experts", _moe_layers(r)[0])
+    for i in _moe_layers(r):
+        for part, template in ON_DISK[family].items():
+            names = [f"model.layers.{i}.{template.format(e=e)}" for e in range(experts)] if "{e}" in template \
+                else [f"model.layers.{i}.{template}"]
+            for name in names:
+                target = r.tensor_map("model.")[name].neutral
+                expected = f"layers.{i}.moe.router.weight" if part == "router" else \
+                    f"layers.{i}.moe.experts.{name.split('.experts.')[1].split('.')[0]}.{part}.weight"
+                assert target == (expected,), name
+    # the dense MLP exists exactly on the layers that are not MoE
+    dense = {i for i in range(r.num_layers) if f"model.layers.{i}.mlp.gate_proj.weight" in stored}
+    assert dense == set(range(r.num_layers)) - set(_moe_layers(r))
+
+
+def test_the_tiny_qwen3_moe_has_both_kinds_of_layer(tiny_dir):
+    r = open_checkpoint(tiny_dir("qwen3_moe")).resolved
+    assert _moe_layers(r) == [0, 2]  # layer 1 in mlp_only_layers: the dense Qwen3MoeMLP
+    assert r["mlp.moe_renormalise"] is True and r["mlp.moe_weights_dtype"] == "model"
+    assert r.layer("mlp.experts", 0) == 8 and r.layer("mlp.experts_per_token", 0) == 2
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"decoder_sparse_step": 2},
+    {"decoder_sparse_step": 2, "mlp_only_layers": [3]},
+    {"mlp_only_layers": [0, 2]},
+    {"decoder_sparse_step": 3, "mlp_only_layers": [1]},
+])
+def test_qwen3_moe_layers_are_where_transformers_builds_them(overrides):
+    config = {**real_config("qwen3-30b-a3b.json"), "num_hidden_layers": 6, **overrides}
+    adapter, variant = recognise(config, ADAPTERS)
+    r = resolve(adapter, variant, config)
+    cfg = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    built = [i for i, layer in enumerate(model.model.layers) if type(layer.mlp).__name__ == BLOCKS["qwen3_moe"]]
+    assert _moe_layers(r) == built
+    assert sum(t.numel for t in r.tensors) == sum(p.numel() for p in model.parameters())
+
+
+def test_real_configs_resolve_to_their_routing():
+    q = ADAPTERS["qwen3_moe"]
+    config = real_config("qwen3-30b-a3b.json")
+    r = resolve(q, q.spec.variants[0], config)
+    assert _moe_layers(r) == list(range(48))
+    assert (r.layer("mlp.experts", 0), r.layer("mlp.experts_per_token", 0), r.layer("mlp.moe_intermediate_size", 0)) \
+        == (128, 8, 768)
+    assert r["mlp.moe_routing"] == "softmax" and r["mlp.moe_renormalise"] is True
+    assert r["mlp.moe_weights_dtype"] == "model" and r["mlp.moe_router_dtype"] == "model"
+    assert r["attention.qk_norm"] == "per_head" and r["attention.sliding_window"] is None
+    # a config saved by transformers 5 spells the expert count num_local_experts
+    saved = {k: v for k, v in config.items() if k != "num_experts"} | {"num_local_experts": 64}
+    assert resolve(q, q.spec.variants[0], saved).layer("mlp.experts", 0) == 64
+    assert resolve(q, q.spec.variants[0], {**config, "norm_topk_prob": False})["mlp.moe_renormalise"] is False
+
+    m = ADAPTERS["mixtral"]
+    r = resolve(m, m.spec.variants[0], real_config("mixtral-8x7b-v0.1.json"))
+    assert _moe_layers(r) == list(range(32))
+    assert (r.layer("mlp.experts", 0), r.layer("mlp.experts_per_token", 0), r.layer("mlp.moe_intermediate_size", 0)) \
+        == (8, 2, 14336)
+    assert r["mlp.moe_renormalise"] is True and r["mlp.moe_weights_dtype"] == "float32"
+    assert r["attention.sliding_window"] is None and r["positions.rope_theta"] == 1e6
+
+
+# --------------------------------------------------------------------------------------------
+# The executor against transformers
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_executor_matches_transformers_at_every_capture_point_in_float32(family, tiny_dir, neutral):
+    ckpt = open_checkpoint(tiny_dir(family))
+    model = getattr(transformers, ckpt.variant.architectures[0]).from_pretrained(
+        tiny_dir(family), attn_implementation="eager").eval()
+    ref = run_and_capture(model, ckpt.resolved.capture, input_ids=PROMPT)
+    manifest, tensors = load(neutral(family))
+    ours: dict[str, torch.Tensor] = {}
+    NeutralModel(manifest, tensors)(PROMPT, on_point=lambda name, t: ours.setdefault(name, t.clone()))
+    assert list(ours) == list(ref)
+    for name in ref:
+        assert rel_l2(ours[name], ref[name]) < 1e-5, name
+    # every MoE layer's block changes the stream (an MoE output that vanished would match trivially)
+    for i in _moe_layers(ckpt.resolved):
+        assert ref[f"layers.{i}.mlp_out"].abs().mean() > 0.1 * ref[f"layers.{i}.mid"].abs().mean()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_moe_block_matches_transformers_bit_for_bit_in_bfloat16(family, tiny_dir, neutral):
+    """Where the routing weights multiply the experts' outputs (weights_dtype) is the only rounding a bf16 MoE adds:
+    with the family's choice the block is transformers' to the bit; with the other one it is not."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir(family), dtype=torch.bfloat16).eval()
+    manifest, tensors = load(neutral(family))
+    torch.manual_seed(0)
+    x = torch.randn(256, manifest["hidden_size"]).to(torch.bfloat16)
+    for i, layer in enumerate(manifest["layers"]):
+        spec = layer["mlp"]["moe"]
+        if spec is None:
+            continue
+        w = {k.removeprefix(f"layers.{i}."): v.to(torch.bfloat16) for k, v in tensors.items()
+             if k.startswith(f"layers.{i}.")}
+        with torch.no_grad():
+            ref = model.model.layers[i].mlp(x[None])[0]
+            ours = moe(x, x, w, spec)
+            other = moe(x, x, w, {**spec, "weights_dtype": "float32" if spec["weights_dtype"] == "model" else "model"})
+        assert ours.dtype == torch.bfloat16
+        assert torch.equal(ours, ref), (i, rel_l2(ours, ref))
+        assert not torch.equal(other, ref)
+        assert route(x, w, spec)[1].unique().numel() == spec["experts"]  # every expert is chosen by some token
+
+
+# --------------------------------------------------------------------------------------------
+# A router mistake is caught where it happens
+
+
+def _first_moe_mlp_out(family: str, tiny_dir) -> str:
+    return f"layers.{_moe_layers(open_checkpoint(tiny_dir(family)).resolved)[0]}.mlp_out"
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_flipped_router_normalisation_in_the_manifest_fails_at_the_first_moe_mlp_out(family, tiny_dir, neutral,
+                                                                                       tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(neutral(family), broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    for layer in manifest["layers"]:
+        if layer["mlp"]["moe"] is not None:
+            layer["mlp"]["moe"]["renormalise"] = not layer["mlp"]["moe"]["renormalise"]
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    report = parity.check(tiny_dir(family), broken, layerwise=True, calibrate=True)
+    first = _first_moe_mlp_out(family, tiny_dir)
+    assert report.verdict == "fail" and report.exit_code == 1
+    assert report.first_divergence.name == first
+    names = [p.name for p in report.points]
+    assert all(p.passed for p in report.points[: names.index(first)])
+    assert parity.check(tiny_dir(family), neutral(family), layerwise=True, calibrate=True).verdict == "pass"
+
+
+def test_a_qwen3_moe_checkpoint_with_norm_topk_prob_flipped_fails_at_the_first_moe_mlp_out(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir("qwen3_moe"), broken)
+    config = json.loads((broken / "config.json").read_text())
+    assert config["norm_topk_prob"] is True
+    config["norm_topk_prob"] = False
+    (broken / "config.json").write_text(json.dumps(config))
+    report = parity.check(tiny_dir("qwen3_moe"), broken, layerwise=True)
+    assert report.verdict == "fail" and report.first_divergence.name == _first_moe_mlp_out("qwen3_moe", tiny_dir)
+    # converted, the flipped checkpoint states its (wrong) normalisation in the manifest, and fails the same way
+    convert(broken, tmp_path / "broken.neutral")
+    manifest, _ = load(tmp_path / "broken.neutral")
+    assert [l["mlp"]["moe"]["renormalise"] for l in manifest["layers"] if l["mlp"]["moe"]] == [False, False]
+    again = parity.check(tiny_dir("qwen3_moe"), tmp_path / "broken.neutral", layerwise=True)
+    assert again.first_divergence.name == report.first_divergence.name
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_saved_without_the_model_prefix_and_streamed(family, tiny_dir, tmp_path):
+    """Saved from the base model (``layers.0.block_sparse_moe.experts.0.w1.weight``, no ``model.``): recognised,
+    converted and checked a layer at a time, transformers' loader renaming and fusing each layer's experts."""
+    path = tmp_path / family
+    shutil.copytree(tiny_dir(family), path)
+    tensors = load_file(path / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    ckpt = open_checkpoint(path)
+    assert ckpt.check().ok and f"layers.0.{ON_DISK[family]['router']}" in ckpt.tensors
+    convert(path, tmp_path / "n")
+    report = parity.check(path, tmp_path / "n", layerwise=True, stream=True)
+    assert report.verdict == "pass" and max(p.rel_l2 for p in report.points) < 1e-5
+
+
+def test_the_real_configs_are_vendored_with_their_sources():
+    sources = (FIXTURES / "configs" / "SOURCES.md").read_text()
+    for name in ("qwen3-30b-a3b.json", "mixtral-8x7b-v0.1.json"):
+        assert f"| {name} |" in sources
