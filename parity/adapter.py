@@ -288,6 +288,15 @@ class CapturePoint(_Strict):
     when: Union[str, None] = None
 
 
+class GGUFExport(_Strict):
+    """How llama.cpp runs the family: its architecture name in GGUF metadata, and the q/k row layout its RoPE
+    kernel for that architecture expects ("interleaved": LLAMA_ROPE_TYPE_NORM, adjacent pairs, so
+    convert_hf_to_gguf.py permutes Llama's q/k; "half": NEOX, as Hugging Face stores them)."""
+
+    arch: str
+    rope_style: Literal["half", "interleaved"]
+
+
 class Tiny(_Strict):
     """How ``parity make-tiny`` builds a test checkpoint of the family (config overrides)."""
 
@@ -314,6 +323,7 @@ class AdapterFile(_Strict):
     # transformers renames them on load, and so does the tensor check.
     legacy_names: dict[str, str] = {}
     capture: dict[str, CapturePoint]
+    gguf: Union[GGUFExport, None] = None   # absent: the family is not exported to GGUF
     tiny: Tiny
 
 

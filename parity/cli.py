@@ -198,9 +198,9 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
 
 @cli.command("convert", context_settings=CONTEXT)
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--to", "target", type=click.Choice(["neutral", "onnx"]), required=True, help="Output format.")
+@click.option("--to", "target", type=click.Choice(["neutral", "onnx", "gguf"]), required=True, help="Output format.")
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
-              help="Directory to write (neutral), or the .onnx file (onnx).")
+              help="Directory to write (neutral), or the .onnx / .gguf file.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Dtype of the written tensors (default: the checkpoint's; float32 for onnx, which takes "
                    "float32 or float16).")
@@ -211,9 +211,12 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
 @click.option("--opset", type=int, default=None, help="onnx: the ONNX opset (18-23; default: torch.onnx's).")
 @click.option("--inject", metavar="BUG", default=None,
               help="onnx: write a deliberately broken export with a catalogued porting mistake (see `parity bugs`).")
+@click.option("--gguf-type", type=click.Choice(["F32", "F16", "Q8_0"]), default="F32", show_default=True,
+              help="gguf: how matrices are stored (norms and other vectors stay F32).")
 @click.option("--force", is_flag=True, help="Replace the output if it exists.")
 @adapters_option
-def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, inject, force, adapter_dirs):
+def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, inject, gguf_type, force,
+                adapter_dirs):
     """Rewrite a checkpoint into the neutral layout (manifest.json + model.safetensors), or export it to ONNX.
 
     The manifest states every convention as an explicit value (norm kind, eps, placement,
@@ -225,10 +228,24 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
     float32 inside a float16 graph); the manifest is kept in the model's metadata_props.
 
     \b
+    `--to gguf` writes a GGUF file llama.cpp runs (llama, qwen2, qwen3; `pip install gguf`), with
+    llama.cpp's tensor names and q/k layout; `parity check --candidate x.gguf` runs it in llama.cpp.
+
+    \b
     Examples:
       parity convert ./gemma-2-9b --to neutral -o ./gemma-2-9b.neutral --dtype bfloat16
       parity convert ./gemma-2-9b --to onnx -o gemma-2-9b.onnx --dtype float16 --debug-outputs
     """
+    if target == "gguf":
+        from .gguf_export import export as to_gguf
+
+        if dtype or rope_style or debug_outputs or opset is not None or inject:
+            raise ParityError("--to gguf takes --gguf-type (F32, F16, Q8_0); the q/k layout is the one llama.cpp's "
+                              "architecture expects")
+        done = to_gguf(model_dir, out, qtype=gguf_type, force=force, adapter_dirs=adapter_dirs)
+        click.echo(f"wrote {out}: llama.cpp architecture {done['arch']}, {len(done['tensors'])} tensors, "
+                   f"{done['type']}, {done['family']}")
+        return
     if target == "onnx":
         from .onnx_export import export
 

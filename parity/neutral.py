@@ -222,13 +222,13 @@ def to_neutral(t: ResolvedTensor, x: torch.Tensor) -> Iterator[tuple[str, torch.
     yield from zip(t.neutral, (p.contiguous() for p in parts))
 
 
-def neutral_subset(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
-    """The neutral tensors ``keep`` selects, converted from the checkpoint's files without reading the rest
-    (the diagnosis re-runs one layer of a model too big to convert whole)."""
+def neutral_tensors(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool] = lambda name: True
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The neutral tensors ``keep`` selects, one at a time, converted from the checkpoint's files without
+    reading the rest: at the manifest's dtype, q/k rows in its RoPE style."""
     r = ckpt.resolved
     files = Dequantizer.of(ckpt)  # FP8 weights read dequantized, in float32
     source_style = r["positions.rope_style"]
-    out: dict[str, torch.Tensor] = {}
     for hf_name, t in stored_tensor_map(r, ckpt.check()).items():
         if not any(keep(name) for name, _ in _neutral_shapes(t)):
             continue
@@ -237,8 +237,12 @@ def neutral_subset(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool]
                 if name.startswith("layers."):
                     y = restyle_rope(name, y, manifest["layers"][int(name.split(".")[1])], source_style,
                                      manifest["rope_style"] or source_style)
-                out[name] = y.to(getattr(torch, manifest["tensors"][name]["dtype"]))
-    return out
+                yield name, y.to(getattr(torch, manifest["tensors"][name]["dtype"]))
+
+
+def neutral_subset(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The neutral tensors ``keep`` selects (the diagnosis re-runs one layer of a model too big to convert whole)."""
+    return dict(neutral_tensors(ckpt, manifest, keep))
 
 
 def _neutral_shapes(t: ResolvedTensor) -> list[tuple[str, tuple[int, ...]]]:

@@ -345,7 +345,7 @@ def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.d
 # Candidate kinds beyond the two built in: kind -> (detect(path) -> bool, make_runner, isolates). A module
 # listed in PLUGINS registers its kinds when imported (ONNX files, engine dumps).
 CANDIDATES: dict[str, tuple[Callable[[Path], bool], Callable, bool]] = {}
-PLUGINS: tuple[str, ...] = ("parity.dumps", "parity.onnx_candidate")
+PLUGINS: tuple[str, ...] = ("parity.dumps", "parity.onnx_candidate", "parity.gguf_candidate")
 
 
 def register_candidate(kind: str, detect: Callable[[Path], bool], make_runner: Callable,

@@ -1,0 +1,186 @@
+"""GGUF files as candidates: run by llama.cpp itself (``llama-cpp-python``, ``pip install parity[llama]``).
+
+The reference's token ids go into one batch with every position's logits requested; llama.cpp's graph
+callback (``cb_eval`` in the context parameters) sees every tensor the graph computes, named as the model
+code names them (``attn_norm-0``, ``l_out-0``, ``result_norm``, ...). The tensors in POINTS are read back as
+they are computed and emitted under parity's capture-point names; the points llama.cpp does not materialise
+are reported as not compared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from pathlib import Path
+
+import torch
+
+from .errors import ParityError
+from .runner import register_candidate
+
+KIND = "gguf"
+
+# llama.cpp graph tensor -> capture point ({i}: the layer). llama.cpp names the MLP's output "ffn_out" and then
+# the residual sum after it "ffn_out" again: the first of the two is the MLP's output.
+POINTS = {
+    "attn_norm-{i}": "layers.{i}.attn_in",
+    "attn_out-{i}": "layers.{i}.attn_out",
+    "ffn_inp-{i}": "layers.{i}.mid",
+    "ffn_norm-{i}": "layers.{i}.mlp_in",
+    "ffn_out-{i}": "layers.{i}.mlp_out",
+    "l_out-{i}": "layers.{i}.out",
+    "result_norm": "final_norm",
+    "result_output": "logits",
+}
+_GGML_F32, _GGML_F16 = 0, 1
+_NE_OFFSET = 16  # struct ggml_tensor: enum ggml_type type; (padding); ggml_backend_buffer * buffer; int64_t ne[4]
+_LOCK = threading.Lock()  # one llama.cpp run at a time: its logging and backend state are process-wide
+
+
+def _point(name: str) -> str | None:
+    m = re.fullmatch(r"(.+)-(\d+)", name)
+    if m and f"{m.group(1)}-{{i}}" in POINTS:
+        return POINTS[f"{m.group(1)}-{{i}}"].replace("{i}", m.group(2))
+    return POINTS.get(name)
+
+
+def _ggml():
+    """libggml-base (shipped beside libllama by llama-cpp-python), with the accessors the callback uses."""
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    found = sorted(lib_dir.glob("libggml-base*.so*")) + sorted(lib_dir.glob("libggml-base*.dylib")) \
+        + sorted(lib_dir.glob("ggml-base*.dll"))
+    if not found:
+        raise ParityError(f"llama-cpp-python at {lib_dir.parent} has no libggml-base library; reinstall it")
+    lib = ctypes.CDLL(str(found[0]))
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_nbytes.restype = ctypes.c_size_t
+    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    lib.ggml_is_contiguous.restype = ctypes.c_bool
+    lib.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    return lib
+
+
+def _read(lib, t: int) -> torch.Tensor | None:
+    kind = ctypes.c_int.from_address(t).value
+    if kind not in (_GGML_F32, _GGML_F16) or not lib.ggml_is_contiguous(t):
+        return None
+    ne = (ctypes.c_int64 * 4).from_address(t + _NE_OFFSET)
+    dtype = torch.float32 if kind == _GGML_F32 else torch.float16
+    out = torch.empty(ne[3], ne[2], ne[1], ne[0], dtype=dtype)
+    if out.numel() * out.element_size() != lib.ggml_nbytes(t):
+        return None
+    lib.ggml_backend_tensor_get(t, out.data_ptr(), 0, lib.ggml_nbytes(t))
+    return out.float()
+
+
+class GGUFRun:
+    """One llama.cpp model and context: ``run(ids)`` -> {capture point: tensor [1, S, width]}."""
+
+    def __init__(self, path: Path, n_tokens: int):
+        try:
+            import llama_cpp
+        except ImportError:
+            raise ParityError("a GGUF candidate runs in llama.cpp: pip install 'parity[llama]' (llama-cpp-python "
+                              "builds llama.cpp; see the README for the build flags)") from None
+        self.llama_cpp, self.lib = llama_cpp, _ggml()
+        llama_cpp.llama_backend_init()
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
+        mparams = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise ParityError(f"--candidate {path}: llama.cpp cannot load it (not a GGUF file, or an architecture "
+                              f"or tensor it does not know)")
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.captured: dict[str, torch.Tensor] = {}
+        self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = max(n_tokens, 16)
+        cparams.n_batch = cparams.n_ubatch = max(n_tokens, 1)
+        cparams.n_threads = cparams.n_threads_batch = max(1, torch.get_num_threads())
+        # llama.cpp's default KV cache is F16: the keys and values of a float32 model would be rounded before
+        # attention. The cache holds what the model computes, in float32, so that only the port is compared.
+        cparams.type_k = cparams.type_v = _GGML_F32
+        cparams.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED: the CPU flash kernel rounds Q to F16
+        cparams.cb_eval = self._callback
+        cparams.cb_eval_user_data = None
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise ParityError(f"--candidate {path}: llama.cpp could not make a context for {n_tokens} tokens")
+
+    def _on_tensor(self, t, ask, _user) -> bool:
+        name = (self.lib.ggml_get_name(t) or b"").decode(errors="replace")
+        point = _point(name)
+        if ask:
+            return point is not None
+        if point is not None and point not in self.captured:  # the first "ffn_out" is the MLP's output
+            x = _read(self.lib, t)
+            if x is not None:
+                self.captured[point] = x.reshape(-1, x.shape[-1]).unsqueeze(0).clone()
+        return True
+
+    def run(self, ids: list[int]) -> dict[str, torch.Tensor]:
+        llama_cpp = self.llama_cpp
+        n = len(ids)
+        batch = llama_cpp.llama_batch_init(n, 0, 1)
+        try:
+            for k, token in enumerate(ids):
+                batch.token[k] = token
+                batch.pos[k] = k
+                batch.n_seq_id[k] = 1
+                batch.seq_id[k][0] = 0
+                batch.logits[k] = True
+            batch.n_tokens = n
+            self.captured = {}
+            if llama_cpp.llama_decode(self.ctx, batch) != 0:
+                raise ParityError("llama.cpp failed to decode the prompt")
+            if "logits" not in self.captured:
+                raw = llama_cpp.llama_get_logits(self.ctx)
+                self.captured["logits"] = torch.tensor(raw[: n * self.vocab]).reshape(1, n, self.vocab)
+        finally:
+            llama_cpp.llama_batch_free(batch)
+        return self.captured
+
+    def close(self) -> None:
+        self.llama_cpp.llama_free(self.ctx)
+        self.llama_cpp.llama_model_free(self.model)
+
+
+def detect(path: Path) -> bool:
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def make_runner(models, path: Path, dtype, ids: torch.Tensor, feed, ckpt):
+    if ids.shape[0] != 1:
+        raise ParityError("a GGUF candidate runs one sequence at a time")
+
+    def run(emit) -> None:
+        with _LOCK:
+            engine = GGUFRun(Path(path), ids.shape[1])
+            try:
+                captured = engine.run(ids[0].tolist())
+            finally:
+                engine.close()
+        for name in sorted(captured, key=_order):
+            emit(name, captured[name])
+
+    return run
+
+
+def _order(name: str):
+    from . import names
+
+    return names.point_order(name)
+
+
+register_candidate(KIND, detect, make_runner)
