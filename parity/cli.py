@@ -210,7 +210,7 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
               help="onnx: add every capture point (embed, layers.0.attn_in, ...) as a graph output of that name.")
 @click.option("--opset", type=int, default=None, help="onnx: the ONNX opset (18-23; default: torch.onnx's).")
 @click.option("--inject", metavar="BUG", default=None,
-              help="onnx: write a deliberately broken export with a catalogued porting mistake (see `parity bugs`).")
+              help="onnx, gguf: write a deliberately broken export with a catalogued porting mistake (see `parity bugs`).")
 @click.option("--gguf-type", type=click.Choice(["F32", "F16", "Q8_0"]), default="F32", show_default=True,
               help="gguf: how matrices are stored (norms and other vectors stay F32).")
 @click.option("--force", is_flag=True, help="Replace the output if it exists.")
@@ -228,8 +228,9 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
     float32 inside a float16 graph); the manifest is kept in the model's metadata_props.
 
     \b
-    `--to gguf` writes a GGUF file llama.cpp runs (llama, qwen2, qwen3; `pip install gguf`), with
-    llama.cpp's tensor names and q/k layout; `parity check --candidate x.gguf` runs it in llama.cpp.
+    `--to gguf` writes a GGUF file llama.cpp runs (the families whose adapter has a [gguf] section;
+    `pip install gguf`), with llama.cpp's tensor names and q/k layout; `parity check --candidate x.gguf`
+    runs it in llama.cpp.
 
     \b
     Examples:
@@ -239,10 +240,10 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
     if target == "gguf":
         from .gguf_export import export as to_gguf
 
-        if dtype or rope_style or debug_outputs or opset is not None or inject:
-            raise ParityError("--to gguf takes --gguf-type (F32, F16, Q8_0); the q/k layout is the one llama.cpp's "
-                              "architecture expects")
-        done = to_gguf(model_dir, out, qtype=gguf_type, force=force, adapter_dirs=adapter_dirs)
+        if dtype or rope_style or debug_outputs or opset is not None:
+            raise ParityError("--to gguf takes --gguf-type (F32, F16, Q8_0) and --inject; the q/k layout is the one "
+                              "llama.cpp's architecture expects")
+        done = to_gguf(model_dir, out, qtype=gguf_type, force=force, adapter_dirs=adapter_dirs, inject=inject)
         click.echo(f"wrote {out}: llama.cpp architecture {done['arch']}, {len(done['tensors'])} tensors, "
                    f"{done['type']}, {done['family']}")
         return

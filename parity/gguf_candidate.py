@@ -24,9 +24,11 @@ KIND = "gguf"
 # llama.cpp graph tensor -> capture point ({i}: the layer). llama.cpp names the MLP's output "ffn_out" and then
 # the residual sum after it "ffn_out" again: the first of the two is the MLP's output.
 POINTS = {
+    "inp_scaled": "embed",              # gemma*: the embeddings times sqrt(hidden)
     "attn_norm-{i}": "layers.{i}.attn_in",
     "attn_out-{i}": "layers.{i}.attn_out",
     "ffn_inp-{i}": "layers.{i}.mid",
+    "sa_out-{i}": "layers.{i}.mid",     # gemma: the residual after attention
     "ffn_norm-{i}": "layers.{i}.mlp_in",
     "ffn_out-{i}": "layers.{i}.mlp_out",
     "l_out-{i}": "layers.{i}.out",
@@ -38,11 +40,11 @@ _NE_OFFSET = 16  # struct ggml_tensor: enum ggml_type type; (padding); ggml_back
 _LOCK = threading.Lock()  # one llama.cpp run at a time: its logging and backend state are process-wide
 
 
-def _point(name: str) -> str | None:
+def _point(name: str, table: dict[str, str]) -> str | None:
     m = re.fullmatch(r"(.+)-(\d+)", name)
-    if m and f"{m.group(1)}-{{i}}" in POINTS:
-        return POINTS[f"{m.group(1)}-{{i}}"].replace("{i}", m.group(2))
-    return POINTS.get(name)
+    if m and f"{m.group(1)}-{{i}}" in table:
+        return table[f"{m.group(1)}-{{i}}"].replace("{i}", m.group(2)) or None
+    return table.get(name) or None
 
 
 def _ggml():
@@ -82,21 +84,26 @@ def _read(lib, t: int) -> torch.Tensor | None:
 class GGUFRun:
     """One llama.cpp model and context: ``run(ids)`` -> {capture point: tensor [1, S, width]}."""
 
-    def __init__(self, path: Path, n_tokens: int):
+    def __init__(self, path: Path, n_tokens: int, points: dict[str, str] | None = None):
         try:
             import llama_cpp
         except ImportError:
             raise ParityError("a GGUF candidate runs in llama.cpp: pip install 'parity[llama]' (llama-cpp-python "
                               "builds llama.cpp; see the README for the build flags)") from None
         self.llama_cpp, self.lib = llama_cpp, _ggml()
+        self.points = {**POINTS, **(points or {})}  # the architecture's own meanings (the adapter's [gguf] points)
         llama_cpp.llama_backend_init()
-        self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        self.log: list[str] = []  # llama.cpp's own words, for an error message
+        self._quiet = llama_cpp.llama_log_callback(
+            lambda level, text, data: self.log.append((text or b"").decode(errors="replace").strip()))
         llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
         mparams = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
-            raise ParityError(f"--candidate {path}: llama.cpp cannot load it (not a GGUF file, or an architecture "
-                              f"or tensor it does not know)")
+            said = next((line for line in reversed(self.log) if "error loading model" in line), None)
+            raise ParityError(f"--candidate {path}: llama.cpp cannot load it ("
+                              f"{said.split('error loading model:', 1)[1].strip() if said else 'see llama.cpp log'}): an "
+                              f"architecture, tensor or setting this llama.cpp does not know")
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.captured: dict[str, torch.Tensor] = {}
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
@@ -116,7 +123,7 @@ class GGUFRun:
 
     def _on_tensor(self, t, ask, _user) -> bool:
         name = (self.lib.ggml_get_name(t) or b"").decode(errors="replace")
-        point = _point(name)
+        point = _point(name, self.points)
         if ask:
             return point is not None
         if point is not None and point not in self.captured:  # the first "ffn_out" is the MLP's output
@@ -166,7 +173,8 @@ def make_runner(models, path: Path, dtype, ids: torch.Tensor, feed, ckpt):
 
     def run(emit) -> None:
         with _LOCK:
-            engine = GGUFRun(Path(path), ids.shape[1])
+            spec = ckpt.adapter.spec.gguf if ckpt is not None else None
+            engine = GGUFRun(Path(path), ids.shape[1], spec.points if spec is not None else None)
             try:
                 captured = engine.run(ids[0].tolist())
             finally:

@@ -37,6 +37,8 @@ NAMES = {
     "layers.{i}.attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
     "layers.{i}.attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
     "layers.{i}.mlp_norm.weight": "blk.{i}.ffn_norm.weight",
+    "layers.{i}.attn_post_norm.weight": "blk.{i}.post_attention_norm.weight",
+    "layers.{i}.mlp_post_norm.weight": "blk.{i}.post_ffw_norm.weight",
     "layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate.weight",
     "layers.{i}.mlp.up.weight": "blk.{i}.ffn_up.weight",
     "layers.{i}.mlp.down.weight": "blk.{i}.ffn_down.weight",
@@ -71,39 +73,108 @@ def _rope_freqs(rope: dict) -> torch.Tensor | None:
     return (plain / scaled).float()
 
 
-def _metadata(writer, manifest: dict, arch: str) -> None:
+def _one(values: list, what: str, arch: str):
+    """The single value a GGUF key holds for every layer it applies to."""
+    distinct = {repr(v): v for v in values}
+    if len(distinct) > 1:
+        raise ParityError(f"{what} differs between layers ({', '.join(distinct)}); llama.cpp's {arch} holds one")
+    return next(iter(distinct.values()), None)
+
+
+def _metadata(writer, manifest: dict, spec) -> dict | None:
+    """Write the hyperparameters llama.cpp reads; returns the RoPE of the (global) layers, for rope_freqs."""
+    arch = spec.arch
     layers = manifest["layers"]
-    att, mlp = layers[0]["attention"], layers[0]["mlp"]
-    for i, layer in enumerate(layers):
-        a = layer["attention"]
-        if (a["heads"], a["kv_heads"], a["head_dim"]) != (att["heads"], att["kv_heads"], att["head_dim"]) \
-                or layer["mlp"]["intermediate_size"] != mlp["intermediate_size"] or a["rope"] != att["rope"]:
-            raise ParityError(f"layer {i} differs in shape or RoPE from layer 0; --to gguf writes uniform layers")
-        if a["sliding_window"] is not None or a["softcap"] is not None or a["mla"] is not None or layer["mlp"]["moe"]:
-            raise ParityError(f"layer {i} has a sliding window, softcap, MLA or MoE; --to gguf does not write "
-                              f"them yet for architecture {arch!r}")
+    atts = [layer["attention"] for layer in layers]
+    att = atts[0]
+    _one([(a["heads"], a["kv_heads"], a["head_dim"]) for a in atts], "the heads or head_dim", arch)
+    intermediate = _one([layer["mlp"]["intermediate_size"] for layer in layers], "the MLP width", arch)
+    if any(a["mla"] is not None for a in atts) or any(layer["mlp"]["moe"] for layer in layers):
+        raise ParityError(f"MLA and MoE layers are not written to GGUF yet (architecture {arch!r})")
+    for i, a in enumerate(atts):
+        if abs(a["scale"] - a["head_dim"] ** -0.5) > 1e-9 * a["scale"]:
+            raise ParityError(f"layer {i}: attention scale {a['scale']:g} is not head_dim ** -0.5 = "
+                              f"{a['head_dim'] ** -0.5:g}; llama.cpp's {arch} computes 1/sqrt(head_dim) (it does not "
+                              f"read query_pre_attn_scalar), so this model cannot be written for it")
+    windowed = [a["sliding_window"] is not None for a in atts]
+    softcap = _one([a["softcap"] for a in atts], "the attention softcap", arch)
+    final_softcap = (manifest["head"] or {}).get("softcap")
+    if (any(windowed) and not spec.windows) or ((softcap or final_softcap) and not spec.softcaps):
+        raise ParityError(f"llama.cpp's {arch} has no sliding window or softcap; this model has one")
     norm = layers[0]["norms"]["attn_norm"]
-    rope = att["rope"]
-    if abs(att["scale"] - att["head_dim"] ** -0.5) > 1e-12 * att["scale"]:
-        raise ParityError(f"attention scale {att['scale']:g} is not head_dim ** -0.5; llama.cpp's {arch} assumes it")
     writer.add_context_length(manifest["embedding"]["max_positions"])
     writer.add_embedding_length(manifest["hidden_size"])
     writer.add_block_count(manifest["num_layers"])
-    writer.add_feed_forward_length(mlp["intermediate_size"])
+    writer.add_feed_forward_length(intermediate)
     writer.add_head_count(att["heads"])
     writer.add_head_count_kv(att["kv_heads"])
     writer.add_key_length(att["head_dim"])
     writer.add_value_length(att["head_dim"])
     writer.add_layer_norm_rms_eps(norm["eps"])
     writer.add_vocab_size(manifest["vocab_size"])
-    if rope is not None:
-        writer.add_rope_dimension_count(rope["rotary_dim"])
-        writer.add_rope_freq_base(rope["theta"])
+    if any(windowed):
+        writer.add_sliding_window(_one([a["sliding_window"] for a in atts if a["sliding_window"] is not None],
+                                       "the sliding window", arch))
+        writer.add_sliding_window_pattern(windowed)  # per layer: llama.cpp's default patterns are not assumed
+    if softcap:
+        writer.add_attn_logit_softcapping(softcap)
+    if final_softcap:
+        writer.add_final_logit_softcapping(final_softcap)
     writer.add_tokenizer_model("none")
+    ropes = [a["rope"] for a in atts]
+    if all(r is None for r in ropes):
+        return None
+    full = [r for r, w in zip(ropes, windowed) if not w] or ropes
+    rope = _one(full, "RoPE", arch)
+    writer.add_rope_dimension_count(rope["rotary_dim"])
+    writer.add_rope_freq_base(rope["theta"])
+    local = [r for r, w in zip(ropes, windowed) if w]
+    if local:
+        swa = _one(local, "the sliding layers' RoPE", arch)
+        if {**swa, "theta": rope["theta"]} != rope or (swa["theta"] != rope["theta"] and not spec.local_rope_base):
+            raise ParityError(f"the sliding layers rotate otherwise than the others (theta {swa['theta']:g}, "
+                              f"scaling {swa.get('scaling')}); llama.cpp's {arch} takes a different base only")
+        if spec.local_rope_base:
+            writer.add_rope_freq_base_swa(swa["theta"])
+    return rope
 
 
-def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, adapter_dirs=()) -> dict:
-    """Write checkpoint ``path`` as the GGUF file ``out``; returns what was written."""
+# Catalogued mistakes a GGUF file can carry (--inject): its metadata (rope.freq_base, layer_norm_rms_epsilon), its
+# q/k row layout, or its norm weights. The others (an activation, a softcap skipped) live in llama.cpp's code.
+INJECTABLE = ("rope-permuted", "rope-theta-wrong", "norm-eps-wrong", "norm-offset-dropped", "norm-offset-added")
+
+
+def _injected(bug: str, manifest: dict, tensors: dict[str, torch.Tensor], source_style: str
+              ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(manifest, tensors) with the mistake, as llama.cpp would meet it in a file.
+
+    ``rope-permuted`` is a port rotating the checkpoint's stored q/k rows in the other pairing than the one they
+    are stored for. llama.cpp's pairing is fixed, so the file holds rows that, rotated in llama.cpp's pairing,
+    rotate as the stored rows would in the wrong one: the stored rows restyled from the wrong pairing to llama.cpp's.
+    """
+    from . import bugs
+    from .neutral import restyle_rope
+
+    if bug not in INJECTABLE:
+        raise ParityError(f"--inject {bug}: a GGUF file can carry {', '.join(INJECTABLE)}; the others are in "
+                          f"llama.cpp's code, not its file")
+    m, t = bugs.inject(bug, manifest, tensors)
+    if bug == "rope-permuted":
+        wrong = "interleaved" if source_style == "half" else "half"
+        for name in list(t):
+            if name.startswith("layers."):
+                layer = manifest["layers"][int(name.split(".")[1])]
+                if layer["attention"]["rope"] is not None:
+                    ours = layer["attention"]["rope"]["style"]  # llama.cpp's pairing, as written
+                    stored = restyle_rope(name, t[name], layer, ours, source_style)
+                    t[name] = restyle_rope(name, stored, layer, wrong, ours)
+        m = {**m, "layers": manifest["layers"]}  # the file states llama.cpp's pairing; the rows carry the mistake
+    return m, t
+
+
+def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, adapter_dirs=(),
+           inject: str | None = None) -> dict:
+    """Write checkpoint ``path`` as the GGUF file ``out`` (with a catalogued mistake: ``inject``)."""
     import gguf
     import numpy as np
 
@@ -114,8 +185,11 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
     ckpt = open_checkpoint(Path(path), adapter_dirs)
     spec = ckpt.adapter.spec.gguf
     if spec is None:
+        from .adapter import load_all
+
+        able = [f for f, a in load_all(adapter_dirs).items() if a.spec.gguf is not None]
         raise ParityError(f"{path}: parity does not export {ckpt.resolved.family} to GGUF (its adapter has no [gguf] "
-                          f"section); families it does: llama, qwen2, qwen3")
+                          f"section); families it does: {', '.join(able)}")
     from .neutral import _check_for_conversion
 
     _check_for_conversion(ckpt)
@@ -126,17 +200,21 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
               "Q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                  "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+    tensors = neutral_tensors(ckpt, manifest)
+    if inject is not None:  # a broken twin, for tests and selftests: small models, held whole
+        manifest, held = _injected(inject, manifest, dict(tensors), ckpt.resolved["positions.rope_style"])
+        tensors = iter(held.items())
     written: dict[str, str] = {}
     with atomic.output_file(Path(out), force=force, companions=()) as tmp:
         writer = gguf.GGUFWriter(tmp / Path(out).name, spec.arch, use_temp_file=True)
         writer.add_name(f"{ckpt.path.name} (parity convert --to gguf)")
         writer.add_file_type(file_type)
-        _metadata(writer, manifest, spec.arch)
-        factors = _rope_freqs(manifest["layers"][0]["attention"]["rope"] or {})
+        rope = _metadata(writer, manifest, spec)
+        factors = _rope_freqs(rope or {})
         if factors is not None:
             writer.add_tensor("rope_freqs.weight", factors.numpy())
             written["rope_freqs.weight"] = "F32"
-        for name, x in neutral_tensors(ckpt, manifest):
+        for name, x in tensors:
             target = gguf_name(name)
             if target is None:
                 raise ParityError(f"{path}: neutral tensor {name} has no llama.cpp name in parity/gguf_export.py")
