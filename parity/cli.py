@@ -367,10 +367,13 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
 @click.option("--layers", "layer_span", default=None, metavar="A:B",
               help="Check only layers [A, B), fed the reference's (a golden's) input to layer A; join the slices' "
                    "JSON reports with `parity report merge`.")
+@click.option("--same-weights", is_flag=True,
+              help="GGUF candidates: run the reference on the candidate's own (dequantized) weights, so that "
+                   "quantization is not taken for a porting mistake.")
 @adapters_option
 def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
               tolerance, report_paths, junit, generate, per_layer, inject, checkpoint, provider, maps, stream, device,
-              candidate_device, layer_span, adapter_dirs):
+              candidate_device, layer_span, same_weights, adapter_dirs):
     """Compare a candidate against the reference, point by point; exit 0 pass, 1 fail, 2 no verdict.
 
     \b
@@ -381,12 +384,13 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
       parity check --reference golden/llama --candidate engine-dump.safetensors --layerwise
       parity check --reference ./llama --candidate llama.onnx --layerwise --map layers.0.out=/model/layers.0/Add_1_output_0
     """
-    from .runner import check
+    from .runner import check, check_same_weights
 
     report = _run_check(reference, candidate, dtype=dtype, layerwise=layerwise, isolate=isolate, calibrate=calibrate,
                         tolerance=list(tolerance), prompt=prompt, ids=_parse_id_list(ids), length=length,
                         inputs_file=inputs_file, generate=generate, adapter_dirs=adapter_dirs, per_layer=per_layer,
-                        report_paths=report_paths, junit=junit, run=check, checkpoint=checkpoint, inject=inject,
+                        report_paths=report_paths, junit=junit, run=check_same_weights if same_weights else check,
+                        checkpoint=checkpoint, inject=inject,
                         provider=provider, maps=list(maps), stream=stream, device=device,
                         candidate_device=candidate_device, layers=layer_span, layers_progress=True)
     sys.exit(report.exit_code)

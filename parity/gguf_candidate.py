@@ -159,6 +159,65 @@ class GGUFRun:
         self.llama_cpp.llama_model_free(self.model)
 
 
+def same_weights(ckpt, path: Path, out: Path) -> dict:
+    """Write into ``out`` the reference checkpoint that holds the GGUF file's own weights: dequantized to float32,
+    renamed and laid out back as the checkpoint stores them (q/k rows in its RoPE style, `1 + w` norms unshifted),
+    beside the reference's config, so that transformers runs what llama.cpp runs and only compute and conventions
+    are compared. Returns what the file held: {"types": {GGML type: count}, "tensors": n}."""
+    import json
+
+    import gguf
+    from safetensors.torch import save_file
+
+    from .checkpoint import stored_tensor_map
+    from .gguf_export import neutral_name
+    from .neutral import build_manifest, restyle_rope
+
+    spec = ckpt.adapter.spec.gguf
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    if spec is None or arch != spec.arch:
+        raise ParityError(f"--same-weights: {path} is a llama.cpp {arch!r} model; parity reads back only the "
+                          f"architecture of the reference's family ({ckpt.resolved.family}: "
+                          f"{spec.arch if spec else 'none'})")
+    r = ckpt.resolved
+    check = ckpt.check()
+    manifest = build_manifest(ckpt, torch.float32, spec.rope_style, check.prefix, hashes=False)
+    by_neutral = {}
+    for hf_name, t in stored_tensor_map(r, check).items():
+        if len(t.neutral) != 1 or t.transpose or t.unstack or t.split is not None:
+            raise ParityError(f"--same-weights: {hf_name} is split, fused or transposed on its way to the neutral "
+                              f"layout; reading it back from GGUF is not supported")
+        by_neutral[t.neutral[0]] = (hf_name, t)
+    source_style = r["positions.rope_style"]
+    out_tensors, types = {}, {}
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue
+        name = neutral_name(tensor.name)
+        if name is None or name not in by_neutral:
+            raise ParityError(f"--same-weights: {path} holds {tensor.name}, which the {r.family} checkpoint has no "
+                              f"place for")
+        kind = gguf.GGMLQuantizationType(tensor.tensor_type)
+        types[kind.name] = types.get(kind.name, 0) + 1
+        values = gguf.quants.dequantize(tensor.data, kind)
+        x = torch.from_numpy(values.astype("float32")).reshape(tuple(reversed(tensor.shape.tolist())))  # a writable copy
+        hf_name, t = by_neutral[name]
+        if name.startswith("layers."):
+            x = restyle_rope(name, x, manifest["layers"][int(name.split(".")[1])], spec.rope_style, source_style)
+        if t.norm_offset:
+            x = x - 1.0  # llama.cpp's file holds 1 + w; the checkpoint stores w
+        out_tensors[hf_name] = x.contiguous()
+    save_file(out_tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(ckpt.config_path.read_text())
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (ckpt.path / name).exists():
+            (out / name).write_bytes((ckpt.path / name).read_bytes())
+    return {"from": str(path), "types": types, "tensors": len(out_tensors)}
+
+
 def detect(path: Path) -> bool:
     path = Path(path)
     if not path.is_file():
@@ -191,4 +250,4 @@ def _order(name: str):
     return names.point_order(name)
 
 
-register_candidate(KIND, detect, make_runner)
+register_candidate(KIND, detect, make_runner, same_weights=same_weights)

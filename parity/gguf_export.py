@@ -55,6 +55,17 @@ def gguf_name(name: str) -> str | None:
     return out and out.replace("{i}", m.group(1))
 
 
+def neutral_name(name: str) -> str | None:
+    """The neutral name of a llama.cpp tensor name (None: not one parity writes)."""
+    m = re.match(r"^blk\.(\d+)\.(.*)$", name)
+    for neutral, gguf in NAMES.items():
+        if m is None and gguf == name:
+            return neutral
+        if m is not None and gguf == f"blk.{{i}}.{m.group(2)}":
+            return neutral.replace("{i}", m.group(1))
+    return None
+
+
 def _rope_freqs(rope: dict) -> torch.Tensor | None:
     """llama.cpp divides each unscaled frequency by rope_freqs[k]: the static scaling as divisors (None: none)."""
     from .executor.rope import LENGTH_DEPENDENT, inv_freq

@@ -344,15 +344,17 @@ def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.d
 
 # Candidate kinds beyond the two built in: kind -> (detect(path) -> bool, make_runner, isolates). A module
 # listed in PLUGINS registers its kinds when imported (ONNX files, engine dumps).
-CANDIDATES: dict[str, tuple[Callable[[Path], bool], Callable, bool]] = {}
+CANDIDATES: dict[str, tuple[Callable[[Path], bool], Callable, bool, Callable | None]] = {}
 PLUGINS: tuple[str, ...] = ("parity.dumps", "parity.onnx_candidate", "parity.gguf_candidate")
 
 
 def register_candidate(kind: str, detect: Callable[[Path], bool], make_runner: Callable,
-                       isolates: bool = False) -> None:
+                       isolates: bool = False, same_weights: Callable | None = None) -> None:
     """make_runner(models, path, dtype, ids, feed, ckpt) -> run(emit); feed is None unless isolating, which only
-    a kind registered with ``isolates`` can do (a dump or a graph cannot be fed the reference's layer inputs)."""
-    CANDIDATES[kind] = (detect, make_runner, isolates)
+    a kind registered with ``isolates`` can do (a dump or a graph cannot be fed the reference's layer inputs).
+    same_weights(ckpt, path, out) -> dict writes into ``out`` a reference checkpoint holding the candidate's own
+    weights (--same-weights), where the kind can read them back."""
+    CANDIDATES[kind] = (detect, make_runner, isolates, same_weights)
 
 
 def candidate_kind(path: Path) -> str:
@@ -361,7 +363,7 @@ def candidate_kind(path: Path) -> str:
     for module in PLUGINS:
         importlib.import_module(module)
     path = Path(path)
-    for kind, (detect, _, _) in CANDIDATES.items():
+    for kind, (detect, *_) in CANDIDATES.items():
         if detect(path):
             return kind
     if (path / "manifest.json").exists():
@@ -660,6 +662,28 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
             report.logits["generate"] = gen
         if gen["first_difference"] is not None:
             report.warnings.append(f"greedy generation differs from token {gen['first_difference']} of {generate}")
+    return report
+
+
+def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **options) -> Report:
+    """``check`` with the reference built from the candidate's own weights (dequantized; --same-weights), loaded
+    into transformers' model of the reference's family: a quantized candidate is then judged on its compute and
+    conventions, not on its quantization."""
+    import tempfile
+
+    kind = candidate_kind(Path(candidate))
+    build = CANDIDATES[kind][3] if kind in CANDIDATES else None
+    if build is None:
+        raise ParityError(f"--same-weights reads the candidate's weights back; a {kind} candidate ({candidate}) "
+                          f"cannot give them (GGUF files can)")
+    if _golden(Path(reference), adapter_dirs) is not None:
+        raise ParityError("--same-weights needs a Hugging Face --reference (its config and model class); a golden "
+                          "holds activations, not a model")
+    ckpt = open_checkpoint(Path(reference), adapter_dirs)
+    with tempfile.TemporaryDirectory(prefix="parity-same-weights-") as tmp:
+        held = build(ckpt, Path(candidate), Path(tmp))
+        report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, **options)
+    report.reference = {"kind": "transformers", "path": str(reference), "same_weights": held}
     return report
 
 

@@ -148,3 +148,35 @@ def test_an_attention_scale_llama_cpp_would_not_compute_is_refused(tmp_path, tin
                                       str(tmp_path / "x.gguf")])
     assert result.exit_code == 2 and "does not read query_pre_attn_scalar" in result.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_same_weights_builds_the_reference_from_the_files_own_weights(tmp_path, released):
+    """--same-weights: transformers runs the GGUF's dequantized weights. A Q8_0 file's embedding rows then agree
+    exactly (its error without --same-weights: rel_l2 ~5e-3 at the first norm), and what is left is llama.cpp's
+    quantized arithmetic (activations rounded to Q8_0 in each matmul)."""
+    reference = released("llama")
+    out = tmp_path / "q8.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", out, "--gguf-type", "Q8_0").exit_code == 0
+    _, plain = _check(reference, out, tmp_path / "plain.json")
+    _, same = _check(reference, out, tmp_path / "same.json", "--same-weights")
+    first = lambda report: next(p for p in report["points"] if p["name"] == "layers.0.attn_in")  # noqa: E731
+    assert first(plain)["rel_l2"] > 1e-3 and first(same)["rel_l2"] < 1e-6
+    held = same["reference"]["same_weights"]
+    assert held["types"]["Q8_0"] == 2 * 7 + 2 and held["types"]["F32"] == 2 * 2 + 1  # matrices; norms stay F32
+    assert same["reference"]["path"] == str(reference)
+    assert same["logits"]["kl_mean"] < plain["logits"]["kl_mean"]
+
+
+def test_same_weights_of_an_f32_file_is_the_plain_check(tmp_path, released):
+    reference = released("gemma")
+    out = tmp_path / "f32.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", out).exit_code == 0
+    result, report = _check(reference, out, tmp_path / "r.json", "--same-weights", *TOLERANCE["gemma"])
+    assert result.exit_code == 0, result.output
+    assert report["reference"]["same_weights"]["types"] == {"F32": report["reference"]["same_weights"]["tensors"]}
+
+
+def test_same_weights_is_refused_for_other_candidates(tmp_path, tiny_dir):
+    result = CliRunner().invoke(cli, ["check", "--reference", str(tiny_dir("llama")), "--candidate",
+                                      str(tiny_dir("llama")), "--same-weights"])
+    assert result.exit_code == 2 and "cannot give them (GGUF files can)" in result.stderr
