@@ -154,6 +154,18 @@ class GGUFRun:
             llama_cpp.llama_batch_free(batch)
         return self.captured
 
+    def tokenize(self, text: str) -> list[int] | None:
+        """llama.cpp's own tokenization of ``text`` (no BOS added); None for a file without a vocabulary."""
+        llama_cpp = self.llama_cpp
+        vocab = llama_cpp.llama_model_get_vocab(self.model)
+        if llama_cpp.llama_vocab_type(vocab) == 0:  # LLAMA_VOCAB_TYPE_NONE
+            return None
+        raw = text.encode()
+        room = len(raw) + 16
+        out = (llama_cpp.llama_token * room)()
+        n = llama_cpp.llama_tokenize(vocab, raw, len(raw), out, room, False, True)
+        return list(out[:n]) if n >= 0 else None
+
     def close(self) -> None:
         self.llama_cpp.llama_free(self.ctx)
         self.llama_cpp.llama_model_free(self.model)
@@ -236,12 +248,39 @@ def make_runner(models, path: Path, dtype, ids: torch.Tensor, feed, ckpt):
             engine = GGUFRun(Path(path), ids.shape[1], spec.points if spec is not None else None)
             try:
                 captured = engine.run(ids[0].tolist())
+                _compare_tokenization(models, ckpt, engine, ids[0].tolist())
             finally:
                 engine.close()
         for name in sorted(captured, key=_order):
             emit(name, captured[name])
 
     return run
+
+
+def _compare_tokenization(models, ckpt, engine: GGUFRun, ids: list[int]) -> None:
+    """The prompt's text (the reference's ids, decoded by its tokenizer) re-tokenized by llama.cpp with the file's
+    own vocabulary: a different split is a porting bug of its own, reported as a warning (the check itself feeds
+    the reference's ids)."""
+    path = getattr(ckpt, "path", None)
+    notes = getattr(models, "notes", None)
+    if path is None or notes is None or not (Path(path) / "tokenizer.json").is_file():
+        return
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    if tokenizer.encode(text, add_special_tokens=False).ids != ids:
+        return  # not the tokenization of a text (generated ids, --length): there is nothing to re-tokenize
+    theirs = engine.tokenize(text)
+    if theirs is None or theirs == ids:
+        return
+    k = next((k for k, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
+    got = theirs[k] if k < len(theirs) else "nothing"
+    warning = (f"llama.cpp's tokenizer (the GGUF's own vocabulary) splits this prompt otherwise: {len(theirs)} ids "
+               f"for the reference's {len(ids)}, first different at position {k} (reference "
+               f"{ids[k] if k < len(ids) else 'nothing'}, llama.cpp {got}); the check fed the reference's ids")
+    if warning not in notes.setdefault("warnings", []):
+        notes["warnings"].append(warning)
 
 
 def _order(name: str):

@@ -6,7 +6,9 @@ llama.cpp's architecture: the adapter's ``[gguf]`` section), renamed to llama.cp
 written as llama.cpp reads it: per-pair frequency divisors in ``rope_freqs.weight``. Matrices are stored as
 F32, F16 or Q8_0; norms and other vectors stay F32, as llama.cpp requires.
 
-The file carries no tokenizer (``tokenizer.ggml.model = "none"``): parity feeds token ids.
+The checkpoint's byte-level BPE vocabulary is written as llama.cpp's "gpt2" tokenizer with its default
+pre-tokenizer (``tokenizer.ggml.model = "none"`` without one): parity feeds the reference's token ids either way,
+and the check reports where llama.cpp's own tokenizer would have split the prompt otherwise.
 """
 
 from __future__ import annotations
@@ -84,6 +86,31 @@ def _rope_freqs(rope: dict) -> torch.Tensor | None:
     return (plain / scaled).float()
 
 
+def vocabulary(directory: Path, size: int) -> tuple[list[str], list[str]] | None:
+    """The checkpoint's byte-level BPE vocabulary as llama.cpp's "gpt2" tokenizer reads it: (tokens by id, padded
+    to the model's vocabulary, and merges); None without a tokenizer.json of that kind."""
+    import json
+
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model = data.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return None
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    for token, i in {**model["vocab"], **{t["content"]: t["id"] for t in data.get("added_tokens") or []}}.items():
+        if isinstance(i, int) and 0 <= i < size:
+            tokens[i] = token
+    # llama.cpp refuses a BPE vocabulary without merges; a byte-level one (the tiny checkpoints') gets one that can
+    # never apply: its halves are two-symbol strings that only a merge could form
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []] or ["\u0120\u0120 \u0120\u0120"]
+    return tokens, merges
+
+
 def _one(values: list, what: str, arch: str):
     """The single value a GGUF key holds for every layer it applies to."""
     distinct = {repr(v): v for v in values}
@@ -131,7 +158,6 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
         writer.add_attn_logit_softcapping(softcap)
     if final_softcap:
         writer.add_final_logit_softcapping(final_softcap)
-    writer.add_tokenizer_model("none")
     ropes = [a["rope"] for a in atts]
     if all(r is None for r in ropes):
         return None
@@ -221,6 +247,16 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
         writer.add_name(f"{ckpt.path.name} (parity convert --to gguf)")
         writer.add_file_type(file_type)
         rope = _metadata(writer, manifest, spec)
+        vocab = vocabulary(ckpt.path, manifest["vocab_size"])
+        if vocab is None:  # parity feeds token ids; a file without a vocabulary says so
+            writer.add_tokenizer_model("none")
+        else:  # llama.cpp's byte-level BPE with the default pre-tokenizer; the check reports any other tokenization
+            writer.add_tokenizer_model("gpt2")
+            writer.add_tokenizer_pre("default")
+            writer.add_token_list(vocab[0])
+            writer.add_token_types([gguf.TokenType.NORMAL] * len(vocab[0]))
+            writer.add_token_merges(vocab[1])
+            writer.add_add_bos_token(False)
         factors = _rope_freqs(rope or {})
         if factors is not None:
             writer.add_tensor("rope_freqs.weight", factors.numpy())

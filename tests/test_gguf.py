@@ -180,3 +180,31 @@ def test_same_weights_is_refused_for_other_candidates(tmp_path, tiny_dir):
     result = CliRunner().invoke(cli, ["check", "--reference", str(tiny_dir("llama")), "--candidate",
                                       str(tiny_dir("llama")), "--same-weights"])
     assert result.exit_code == 2 and "cannot give them (GGUF files can)" in result.stderr
+
+
+def test_a_vocabulary_that_splits_the_prompt_otherwise_is_reported(tmp_path, tiny_dir, monkeypatch):
+    """The GGUF carries the checkpoint's byte-level BPE vocabulary; llama.cpp re-tokenizes the prompt's text with
+    it. The same vocabulary gives the same ids (no warning); one with 'h' and 'e' swapped is reported (the check
+    still feeds the reference's ids, so the verdict stands)."""
+    from parity import gguf_export
+
+    reference = tiny_dir("llama")
+    good = tmp_path / "good.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", good).exit_code == 0
+    _, report = _check(reference, good, tmp_path / "good.json", "--prompt", "hello parity")
+    assert not any("tokenizer" in w for w in report["warnings"])
+
+    real = gguf_export.vocabulary
+
+    def swapped(directory, size):
+        tokens, merges = real(directory, size)
+        tokens[ord("h")], tokens[ord("e")] = tokens[ord("e")], tokens[ord("h")]
+        return tokens, merges
+
+    monkeypatch.setattr(gguf_export, "vocabulary", swapped)
+    bad = tmp_path / "bad.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", bad).exit_code == 0
+    result, report = _check(reference, bad, tmp_path / "bad.json", "--prompt", "hello parity")
+    assert result.exit_code == 0
+    said = [w for w in report["warnings"] if "tokenizer" in w]
+    assert said and f"first different at position 0 (reference {ord('h')}, llama.cpp {ord('e')})" in said[0]
