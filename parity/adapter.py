@@ -298,7 +298,7 @@ class GGUFExport(_Strict):
     windows: bool = False           # reads attention.sliding_window and a per-layer sliding_window_pattern
     softcaps: bool = False          # reads attn_logit_softcapping / final_logit_softcapping
     local_rope_base: bool = False   # sliding layers rotate with rope.freq_base_swa
-    # llama.cpp graph tensors whose meaning in this architecture differs from parity/gguf_candidate.py's table:
+    # llama.cpp graph tensors whose meaning in this architecture differs from parity/candidates/gguf.py's table:
     # {tensor name ({i}: the layer): capture point, or "" where it is none of them}
     points: dict[str, str] = {}
 

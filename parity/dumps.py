@@ -8,7 +8,7 @@ float dtype; the token ids the engine ran are JSON under the metadata key ``inpu
 optional: those a dump lacks are listed as not compared. A dump whose ids differ from the reference's
 is refused (exit 2): its numbers would be compared against another input.
 
-Importing this module registers the ``dump`` candidate kind (parity.runner.PLUGINS lists it).
+parity.candidates.dump makes these files a candidate kind.
 """
 
 from __future__ import annotations
@@ -176,8 +176,6 @@ def dump_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed,
 def is_dump(path: Path) -> bool:
     return Path(path).suffix == SUFFIX and Path(path).is_file()
 
-
-runner.register_candidate("dump", is_dump, dump_runner)
 
 
 def inputs_for(reference: Path, *, prompt: str | None = None, ids: list[int] | None = None,

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from . import names
+from . import candidates, names
 from .checkpoint import Checkpoint, inventory, open_checkpoint, weight_files
 from .compare import Tolerances, judge, logit_metrics, metrics
 from .errors import ParityError
@@ -342,30 +342,12 @@ def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.d
         return out.logits if getattr(out, "logits", None) is not None else out[0]
 
 
-# Candidate kinds beyond the two built in: kind -> (detect(path) -> bool, make_runner, isolates). A module
-# listed in PLUGINS registers its kinds when imported (ONNX files, engine dumps).
-CANDIDATES: dict[str, tuple[Callable[[Path], bool], Callable, bool, Callable | None]] = {}
-PLUGINS: tuple[str, ...] = ("parity.dumps", "parity.onnx_candidate", "parity.gguf_candidate")
-
-
-def register_candidate(kind: str, detect: Callable[[Path], bool], make_runner: Callable,
-                       isolates: bool = False, same_weights: Callable | None = None) -> None:
-    """make_runner(models, path, dtype, ids, feed, ckpt) -> run(emit); feed is None unless isolating, which only
-    a kind registered with ``isolates`` can do (a dump or a graph cannot be fed the reference's layer inputs).
-    same_weights(ckpt, path, out) -> dict writes into ``out`` a reference checkpoint holding the candidate's own
-    weights (--same-weights), where the kind can read them back."""
-    CANDIDATES[kind] = (detect, make_runner, isolates, same_weights)
-
-
 def candidate_kind(path: Path) -> str:
-    import importlib
-
-    for module in PLUGINS:
-        importlib.import_module(module)
+    """A candidate's kind: one of parity.candidates' kinds, else a neutral directory or a Hugging Face checkpoint."""
     path = Path(path)
-    for kind, (detect, *_) in CANDIDATES.items():
-        if detect(path):
-            return kind
+    found = candidates.detect(path)
+    if found is not None:
+        return found
     if (path / "manifest.json").exists():
         return "neutral"
     if (path / "config.json").exists():
@@ -373,7 +355,7 @@ def candidate_kind(path: Path) -> str:
     if not path.exists():
         raise ParityError(f"--candidate {path}: no such file or directory")
     raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json), a Hugging Face checkpoint "
-                      f"(config.json){''.join(', or ' + k for k in CANDIDATES)}")
+                      f"(config.json){''.join(', or ' + k for k in candidates.kinds())}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,7 +575,7 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
         candidate_device = resolve_device("cuda") if device_count() else "cpu"
     if inject and kind != "neutral":
         raise ParityError(f"--inject needs a neutral candidate (the executor runs the mistake); {candidate} is {kind}")
-    if isolate and kind in CANDIDATES and not CANDIDATES[kind][2]:
+    if isolate and candidates.get(kind) is not None and not candidates.get(kind).isolates:
         raise ParityError(f"--isolate: a {kind} candidate ({candidate}) cannot be fed the reference's layer inputs; "
                           f"drop --isolate")
     span = parse_layers(layers, ckpt.resolved.num_layers)
@@ -672,7 +654,7 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
     import tempfile
 
     kind = candidate_kind(Path(candidate))
-    build = CANDIDATES[kind][3] if kind in CANDIDATES else None
+    build = candidates.get(kind).same_weights if candidates.get(kind) is not None else None
     if build is None:
         raise ParityError(f"--same-weights reads the candidate's weights back; a {kind} candidate ({candidate}) "
                           f"cannot give them (GGUF files can)")
@@ -766,7 +748,7 @@ def _compare_generation(models: Models, ckpt: Checkpoint, candidate: Path, kind:
         if kind == "neutral":
             cand_model = models.neutral(candidate, dtype, inject)
             produced = greedy(lambda seq: cand_model(seq))
-        elif kind in CANDIDATES:  # a plugin kind: its run's logits point
+        elif candidates.get(kind) is not None:  # a candidate kind: its run's logits point
             produced = greedy(lambda seq: _plugin_logits(models, ckpt, candidate, kind, seq, dtype))
         else:
             hf = models.hf(open_checkpoint(candidate, models.adapter_dirs), dtype, "candidate")
@@ -778,7 +760,7 @@ def _compare_generation(models: Models, ckpt: Checkpoint, candidate: Path, kind:
 def _plugin_logits(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
     got: dict[str, torch.Tensor] = {}
-    CANDIDATES[kind][1](models, candidate, dtype, ids, None, ckpt)(lambda name, t: got.setdefault(name, t))
+    candidates.get(kind).make_runner(models, candidate, dtype, ids, None, ckpt)(lambda name, t: got.setdefault(name, t))
     if "logits" not in got:
         raise ParityError(f"--generate: the {kind} candidate {candidate} gives no logits")
     return got["logits"]
@@ -874,7 +856,7 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     input_of = layer_inputs(n_layers)
     # the layers fed the reference's input: every one when isolating, else a slice's first (when the candidate
     # can be fed: a dump or a graph runs from its own start)
-    feedable = kind not in CANDIDATES or CANDIDATES[kind][2]
+    feedable = candidates.get(kind) is None or candidates.get(kind).isolates
     feeding = set(range(n_layers + 1)) if isolate else ({span.start} if span.start > 0 and feedable else set())
     entry = next((p for p, i in input_of.items() if i == span.start), None) if span.start > 0 else None
     noise_inputs = LayerInputs() if feeding else None
@@ -974,8 +956,8 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     say(f"running the candidate ({kind})")
     try:  # the reference streams are running: whatever happens, let them finish
         fed = feed if feeding else None
-        if kind in CANDIDATES:
-            run = CANDIDATES[kind][1](models, candidate, low, ids, fed, ckpt)
+        if candidates.get(kind) is not None:
+            run = candidates.get(kind).make_runner(models, candidate, low, ids, fed, ckpt)
         elif kind == "neutral":
             run = neutral_runner(models, candidate, low, ids, fed, inject, range(span.start, span.stop))
         else:

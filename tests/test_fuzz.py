@@ -30,7 +30,8 @@ from rich.console import Console
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from parity import dumps, onnx_candidate, render, shards
+from parity import dumps, render, shards
+from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import inside, inventory, open_checkpoint
 from parity.errors import ParityError
 from parity.golden import open_golden

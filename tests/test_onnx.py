@@ -24,7 +24,8 @@ import torch
 from click.testing import CliRunner
 
 import parity
-from parity import onnx_candidate, onnx_export
+from parity import onnx_export
+from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
 from parity.executor.model import NeutralModel

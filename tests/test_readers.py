@@ -15,7 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import parity
-from parity import dumps, onnx_candidate, shards
+from parity import dumps, shards
+from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import open_checkpoint, read_config
 from parity.errors import ParityError
 from parity.golden import open_golden

@@ -34,10 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import names
-from .checkpoint import inside as in_directory
-from .errors import ParityError
-from .runner import register_candidate
+from .. import names
+from ..checkpoint import inside as in_directory
+from ..errors import ParityError
 
 KIND = "onnx"
 FUSED_NORMS = {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
@@ -755,7 +754,7 @@ def _shorten(items: list[str], n: int = 6) -> str:
 
 def make_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed, ckpt):
     """Run the ONNX graph once and emit every capture point that could be matched."""
-    from .runner import _forward_names
+    from ..runner import _forward_names
 
     if feed is not None:
         raise ParityError(f"--candidate {path}: --isolate is not possible for an ONNX graph (its layers cannot be fed "
@@ -797,4 +796,3 @@ def make_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed,
     return run
 
 
-register_candidate(KIND, detect, make_runner)

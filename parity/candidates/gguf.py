@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ParityError
-from .runner import register_candidate
+from ..errors import ParityError
 
 KIND = "gguf"
 
@@ -181,9 +180,9 @@ def same_weights(ckpt, path: Path, out: Path) -> dict:
     import gguf
     from safetensors.torch import save_file
 
-    from .checkpoint import stored_tensor_map
-    from .gguf_export import neutral_name
-    from .neutral import build_manifest, restyle_rope
+    from ..checkpoint import stored_tensor_map
+    from ..gguf_export import neutral_name
+    from ..neutral import build_manifest, restyle_rope
 
     spec = ckpt.adapter.spec.gguf
     reader = gguf.GGUFReader(str(path))
@@ -284,9 +283,8 @@ def _compare_tokenization(models, ckpt, engine: GGUFRun, ids: list[int]) -> None
 
 
 def _order(name: str):
-    from . import names
+    from .. import names
 
     return names.point_order(name)
 
 
-register_candidate(KIND, detect, make_runner, same_weights=same_weights)

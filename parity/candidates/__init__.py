@@ -1,0 +1,56 @@
+"""Candidate kinds: the things parity checks against a reference, beside its own neutral layout and Hugging Face
+checkpoints (which the runner runs itself, as it runs the reference).
+
+A kind is one module of this package that defines::
+
+    KIND = "gguf"                                   # its name in reports
+    def detect(path) -> bool                        # is this path one of mine?
+    def make_runner(models, path, dtype, ids, feed, ckpt) -> run(emit)
+                                                    # run(emit) calls emit(point, tensor [1, S, width]) per capture point
+    ISOLATES = False                                # optional: can be fed the reference's layer inputs (feed)
+    def same_weights(ckpt, path, out) -> dict       # optional: write a reference holding its own weights
+
+and one line in KINDS below. The runner depends only on this protocol: it never imports a kind's module, which
+is loaded on first use (an engine's Python bindings are imported only when its files are checked).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+# Detection order: the first kind whose detect() accepts a path runs it.
+KINDS = ("dump", "onnx", "gguf")
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    detect: Callable[[Path], bool]
+    make_runner: Callable
+    isolates: bool = False
+    same_weights: Callable | None = None
+
+
+_loaded: dict[str, Kind] = {}
+
+
+def kinds() -> dict[str, Kind]:
+    """Every candidate kind, by name, in detection order."""
+    for module in KINDS:
+        if module not in _loaded:
+            m = importlib.import_module(f"{__name__}.{module}")
+            _loaded[module] = Kind(m.KIND, m.detect, m.make_runner, getattr(m, "ISOLATES", False),
+                                   getattr(m, "same_weights", None))
+    return {k.name: k for k in (_loaded[m] for m in KINDS)}
+
+
+def detect(path: Path) -> str | None:
+    """The kind of a candidate path, or None when no kind here takes it."""
+    return next((name for name, kind in kinds().items() if kind.detect(Path(path))), None)
+
+
+def get(name: str) -> Kind | None:
+    return kinds().get(name)
