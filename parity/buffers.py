@@ -82,7 +82,7 @@ def _buffer_verdict(r: Resolved, buffer: ResolvedBuffer, x, dtype: str) -> tuple
     return True, f"{float(x.float().flatten()[0]):g}" if x.numel() else "empty"  # mask_value: informative only
 
 
-def _tied_copy_verdict(r: Resolved, buffer: ResolvedBuffer, x, same: torch.Tensor, same_name: str) -> tuple[bool, str]:
+def _tied_copy_verdict(x: torch.Tensor, same: torch.Tensor, same_name: str) -> tuple[bool, str]:
     if tuple(x.shape) == tuple(same.shape) and torch.equal(x.float(), same.float()):
         return True, f"the same values as {same_name}: tied, as the config says"
     diff = f"max difference {float((x.float() - same.float()).abs().max()):.3g}" if x.shape == same.shape \
@@ -103,7 +103,7 @@ def check_buffers(ckpt: Checkpoint, check: TensorCheck) -> list[dict]:
         buffer = buffers[ckpt.resolved.canonical_name(name)]
         if buffer.kind == "tied_copy":
             same = check.stored.get(buffer.same_as.replace("{prefix}", check.prefix))
-            agrees, note = _tied_copy_verdict(ckpt.resolved, buffer, files.read(name), files.read(same), same) \
+            agrees, note = _tied_copy_verdict(files.read(name), files.read(same), same) \
                 if same in files else (False, f"{buffer.same_as} is not in the checkpoint")
         else:
             agrees, note = _buffer_verdict(ckpt.resolved, buffer, files.read(name), info.dtype)

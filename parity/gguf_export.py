@@ -46,6 +46,7 @@ NAMES = {
     "layers.{i}.mlp.down.weight": "blk.{i}.ffn_down.weight",
 }
 TYPES = ("F32", "F16", "Q8_0")
+QUANTIZE_ROWS = 1024  # rows quantized to Q8_0 at a time, from float32
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 
 
@@ -139,7 +140,9 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     final_softcap = (manifest["head"] or {}).get("softcap")
     if (any(windowed) and not spec.windows) or ((softcap or final_softcap) and not spec.softcaps):
         raise ParityError(f"llama.cpp's {arch} has no sliding window or softcap; this model has one")
-    norm = layers[0]["norms"]["attn_norm"]
+    specs = [n for layer in layers for n in (*layer["norms"].values(), layer["attention"]["q_norm"],
+                                             layer["attention"]["k_norm"]) if n] + [manifest["final_norm"]]
+    eps = _one([n["eps"] for n in specs if n], "the norms' eps", arch)  # llama.cpp holds one for every norm
     writer.add_context_length(manifest["embedding"]["max_positions"])
     writer.add_embedding_length(manifest["hidden_size"])
     writer.add_block_count(manifest["num_layers"])
@@ -148,7 +151,7 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     writer.add_head_count_kv(att["kv_heads"])
     writer.add_key_length(att["head_dim"])
     writer.add_value_length(att["head_dim"])
-    writer.add_layer_norm_rms_eps(norm["eps"])
+    writer.add_layer_norm_rms_eps(eps)
     writer.add_vocab_size(manifest["vocab_size"])
     if any(windowed):
         writer.add_sliding_window(_one([a["sliding_window"] for a in atts if a["sliding_window"] is not None],
@@ -212,10 +215,13 @@ def _injected(bug: str, manifest: dict, tensors: dict[str, torch.Tensor], source
 def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, adapter_dirs=(),
            inject: str | None = None) -> dict:
     """Write checkpoint ``path`` as the GGUF file ``out`` (with a catalogued mistake: ``inject``)."""
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise ParityError("--to gguf writes with gguf-py: pip install 'parity[llama]' (or pip install gguf)") from None
     import numpy as np
 
-    from .neutral import build_manifest, neutral_tensors
+    from .neutral import build_manifest, neutral_tensors, source_dtype
 
     if qtype not in TYPES:
         raise ParityError(f"--gguf-type {qtype!r} is not one of {', '.join(TYPES)}")
@@ -230,7 +236,14 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
     from .neutral import _check_for_conversion
 
     _check_for_conversion(ckpt)
-    manifest = build_manifest(ckpt, torch.float32, spec.rope_style, ckpt.check().prefix, hashes=False)
+    check = ckpt.check()
+    # tensors come out of the checkpoint at the type they are written in (F16), or at their own (quantized from
+    # float32 a block of rows at a time): a float32 copy of a bf16 model's embedding would double the peak
+    work = {"F32": torch.float32, "F16": torch.float16}.get(qtype) or source_dtype(ckpt, check)
+    manifest = build_manifest(ckpt, work, spec.rope_style, check.prefix, hashes=False)
+    for info in manifest["tensors"].values():  # vectors (norms with 1 + w folded, biases) are written F32, unrounded
+        if len(info["shape"]) == 1:
+            info["dtype"] = "float32"
     if manifest["head"] is None:
         raise ParityError(f"{path}: a model without an LM head cannot run in llama.cpp")
     matrix = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
@@ -244,6 +257,9 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
     written: dict[str, str] = {}
     with atomic.output_file(Path(out), force=force, companions=()) as tmp:
         writer = gguf.GGUFWriter(tmp / Path(out).name, spec.arch, use_temp_file=True)
+        # tensor data goes to a file on disk as each tensor is added (gguf-py's own spooled temp file keeps the
+        # first 256 MB in memory and copies it when it rolls over: twice the largest tensor, or more)
+        writer.temp_file = spill = open(tmp / "tensors.spill", "w+b")
         writer.add_name(f"{ckpt.path.name} (parity convert --to gguf)")
         writer.add_file_type(file_type)
         rope = _metadata(writer, manifest, spec)
@@ -265,18 +281,19 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
             target = gguf_name(name)
             if target is None:
                 raise ParityError(f"{path}: neutral tensor {name} has no llama.cpp name in parity/gguf_export.py")
-            data = x.float().numpy()
-            kind = matrix if data.ndim == 2 else gguf.GGMLQuantizationType.F32
-            if kind == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
+            kind = matrix if x.dim() == 2 else gguf.GGMLQuantizationType.F32
+            if kind == gguf.GGMLQuantizationType.Q8_0 and x.shape[-1] % 32:
                 kind = gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of 32; llama.cpp's converter falls back too
-            if kind == gguf.GGMLQuantizationType.F16:
-                data = data.astype(np.float16)
-            elif kind == gguf.GGMLQuantizationType.Q8_0:
-                data = gguf.quants.quantize(data, kind)
+            if kind == gguf.GGMLQuantizationType.Q8_0:
+                data = np.concatenate([gguf.quants.quantize(rows.float().numpy(), kind)
+                                       for rows in x.split(QUANTIZE_ROWS)])
+            else:
+                data = x.to(torch.float16 if kind == gguf.GGMLQuantizationType.F16 else torch.float32).numpy()
             writer.add_tensor(target, data, raw_dtype=kind if kind == gguf.GGMLQuantizationType.Q8_0 else None)
             written[target] = kind.name
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_tensors_to_file()  # copies the spill file into place, and closes it
         writer.close()
+        Path(spill.name).unlink()
     return {"arch": spec.arch, "type": qtype, "tensors": written, "family": ckpt.resolved.family}

@@ -23,7 +23,7 @@ from . import __version__, atomic, names
 from .adapter import Resolved, ResolvedNorm, ResolvedTensor
 from .checkpoint import Checkpoint, open_checkpoint, plain_file_name, stored_tensor_map
 from .errors import ParityError
-from .quantization import Dequantizer, dequantization_error, dequantize, quantized_weights
+from .quantization import Dequantizer, dequantize, quantized_weights, rounding_error
 from .shards import Header, PlannedTensor, Sha256, ShardWriter, plan, read_header, sha256_file
 
 FORMAT = "parity-neutral"
@@ -398,6 +398,14 @@ def _check_for_conversion(ckpt: Checkpoint) -> None:
             raise ParityError(f"{ckpt.path}: {b['name']} {b['note']}")
 
 
+def source_dtype(ckpt: Checkpoint, check) -> torch.dtype:
+    """The checkpoint's one weight dtype (float32 when it mixes several). FP8 weights count as the dtype of the
+    checkpoint's other tensors (bf16 in the released FP8 models)."""
+    scaled = set(quantized_weights(ckpt.tensors)) if ckpt.quantization else set()
+    found = {ckpt.tensors[n].dtype for n in stored_tensor_map(ckpt.resolved, check) if n not in scaled}
+    return SOURCE_DTYPES[found.pop()] if len(found) == 1 else torch.float32
+
+
 def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str | None = None, force: bool = False,
             adapter_dirs=(), max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
     """Convert a checkpoint directory into the neutral layout at ``out``; returns the manifest."""
@@ -409,10 +417,7 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     tensor_map = stored_tensor_map(r, check)
     deq = Dequantizer.of(ckpt)
-    # FP8 weights become the dtype of the checkpoint's other tensors (bf16 in the released FP8 models)
-    source_dtypes = {ckpt.tensors[n].dtype for n in tensor_map if not deq.quantized(n)}
-    target = DTYPES[dtype] if dtype else (SOURCE_DTYPES[source_dtypes.pop()] if len(source_dtypes) == 1
-                                          else torch.float32)
+    target = DTYPES[dtype] if dtype else source_dtype(ckpt, check)
     errors: dict[str, float] = {}  # FP8 weight -> rel_l2 of its dequantization at the target dtype
     source_style = r["positions.rope_style"]
     style = rope_style or source_style
@@ -444,9 +449,8 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
         for f in ckpt.files:
             for hf_name, x in reader.tensors(f, headers[f], tensor_map):
                 if deq.quantized(hf_name):  # in float32; written at the target dtype, whose rounding is measured
-                    raw, scale = x, deq.scale(hf_name)
-                    x = dequantize(raw, scale, ckpt.quantization.block)
-                    errors[hf_name] = dequantization_error(raw, scale, ckpt.quantization.block, x.to(target))
+                    x = dequantize(x, deq.scale(hf_name), ckpt.quantization.block)
+                    errors[hf_name] = rounding_error(x, target)
                 for name, y in to_neutral(tensor_map[hf_name], x):
                     layer = layer_of(name)
                     if layer is not None:
@@ -475,10 +479,10 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
 
 def dequantization_summary(quantization, errors: dict[str, float], target: torch.dtype) -> dict:
     """What a converted FP8 checkpoint's manifest says of it: the quantization, and the error of writing the
-    dequantized weights at the target dtype (rel_l2 against the exact product)."""
-    worst = max(errors, key=errors.get) if errors else None
+    float32 dequantized weights at the target dtype (rel_l2; 0 at float32)."""
+    worst = max(errors, key=errors.get) if errors and max(errors.values()) > 0 else None
     return {**quantization.to_json(), "dequantized": len(errors), "dtype": str(target).removeprefix("torch."),
-            "rel_l2_max": errors[worst] if worst else 0.0,
+            "rel_l2_max": errors[worst] if worst else 0.0,  # worst None: every weight written exactly
             "rel_l2_mean": sum(errors.values()) / len(errors) if errors else 0.0, "worst": worst}
 
 

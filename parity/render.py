@@ -207,8 +207,9 @@ def _extras(report: Report) -> list[tuple[str, list[str]]]:
                 quantized.append(f"reference: {what}, dequantized to {q.get('dequantized_to')} by "
                                  f"{q.get('dequantized_by')}")
             else:
+                worst = f" ({q['worst']})" if q.get("worst") else ""
                 quantized.append(f"candidate: {what}, {q.get('dequantized')} weights dequantized to {q.get('dtype')}: "
-                                 f"rel_l2 max {_num(q.get('rel_l2_max', 0))} ({q.get('worst')}), "
+                                 f"rel_l2 max {_num(q.get('rel_l2_max', 0))}{worst}, "
                                  f"mean {_num(q.get('rel_l2_mean', 0))}")
     if quantized:
         out.append(("quantization", quantized))

@@ -575,7 +575,7 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
         candidate_device = resolve_device("cuda") if device_count() else "cpu"
     if inject and kind != "neutral":
         raise ParityError(f"--inject needs a neutral candidate (the executor runs the mistake); {candidate} is {kind}")
-    if isolate and candidates.get(kind) is not None and not candidates.get(kind).isolates:
+    if isolate and not getattr(candidates.get(kind), "isolates", True):  # neutral and transformers can be fed
         raise ParityError(f"--isolate: a {kind} candidate ({candidate}) cannot be fed the reference's layer inputs; "
                           f"drop --isolate")
     span = parse_layers(layers, ckpt.resolved.num_layers)
@@ -654,7 +654,7 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
     import tempfile
 
     kind = candidate_kind(Path(candidate))
-    build = candidates.get(kind).same_weights if candidates.get(kind) is not None else None
+    build = getattr(candidates.get(kind), "same_weights", None)
     if build is None:
         raise ParityError(f"--same-weights reads the candidate's weights back; a {kind} candidate ({candidate}) "
                           f"cannot give them (GGUF files can)")
@@ -689,7 +689,7 @@ def _check_span(span: Span, ckpt: Checkpoint, golden, kind: str, generate: int, 
 
 def _describe_quantization(report: Report, ckpt: Checkpoint, golden, kind: str, candidate: Path, stream: bool) -> None:
     """An FP8 block-quantized reference runs on its dequantized weights (float32): the report says so, and what a
-    converted candidate's dequantization at its dtype cost (rel_l2 against the exact product)."""
+    converted candidate's dequantization at its dtype cost (rel_l2 against the float32 dequantization)."""
     if golden is None and ckpt.quantization is not None:
         report.reference["quantization"] = {**ckpt.quantization.to_json(), "dequantized_to": "float32",
                                             "dequantized_by": "parity, a layer at a time" if stream else "transformers"}
@@ -856,7 +856,7 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     input_of = layer_inputs(n_layers)
     # the layers fed the reference's input: every one when isolating, else a slice's first (when the candidate
     # can be fed: a dump or a graph runs from its own start)
-    feedable = candidates.get(kind) is None or candidates.get(kind).isolates
+    feedable = getattr(candidates.get(kind), "isolates", True)
     feeding = set(range(n_layers + 1)) if isolate else ({span.start} if span.start > 0 and feedable else set())
     entry = next((p for p, i in input_of.items() if i == span.start), None) if span.start > 0 else None
     noise_inputs = LayerInputs() if feeding else None

@@ -34,5 +34,22 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def neutral_dir(tiny_dir, tmp_path_factory):
+    """neutral_dir(family) -> that family's tiny checkpoint converted to the neutral layout (on first use)."""
+    from parity.neutral import convert
+
+    root = tmp_path_factory.mktemp("neutral")
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            convert(tiny_dir(family), root / family)
+            built[family] = root / family
+        return built[family]
+
+    return get
+
+
 def real_config(name: str) -> dict:
     return json.loads((FIXTURES / "configs" / name).read_text())

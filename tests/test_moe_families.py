@@ -48,20 +48,6 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.fixture(scope="module")
-def neutral(tiny_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    made: dict = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            convert(tiny_dir(family), root / family)
-            made[family] = root / family
-        return made[family]
-
-    return get
-
-
 def _moe_layers(r) -> list[int]:
     return [i for i in range(r.num_layers) if r.layer("mlp.moe", i)]
 
@@ -153,12 +139,12 @@ def test_real_configs_resolve_to_their_routing():
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_executor_matches_transformers_at_every_capture_point_in_float32(family, tiny_dir, neutral):
+def test_executor_matches_transformers_at_every_capture_point_in_float32(family, tiny_dir, neutral_dir):
     ckpt = open_checkpoint(tiny_dir(family))
     model = getattr(transformers, ckpt.variant.architectures[0]).from_pretrained(
         tiny_dir(family), attn_implementation="eager").eval()
     ref = run_and_capture(model, ckpt.resolved.capture, input_ids=PROMPT)
-    manifest, tensors = load(neutral(family))
+    manifest, tensors = load(neutral_dir(family))
     ours: dict[str, torch.Tensor] = {}
     NeutralModel(manifest, tensors)(PROMPT, on_point=lambda name, t: ours.setdefault(name, t.clone()))
     assert list(ours) == list(ref)
@@ -170,11 +156,11 @@ def test_executor_matches_transformers_at_every_capture_point_in_float32(family,
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_the_moe_block_matches_transformers_bit_for_bit_in_bfloat16(family, tiny_dir, neutral):
+def test_the_moe_block_matches_transformers_bit_for_bit_in_bfloat16(family, tiny_dir, neutral_dir):
     """Where the routing weights multiply the experts' outputs (weights_dtype) is the only rounding a bf16 MoE adds:
     with the family's choice the block is transformers' to the bit; with the other one it is not."""
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir(family), dtype=torch.bfloat16).eval()
-    manifest, tensors = load(neutral(family))
+    manifest, tensors = load(neutral_dir(family))
     torch.manual_seed(0)
     x = torch.randn(256, manifest["hidden_size"]).to(torch.bfloat16)
     for i, layer in enumerate(manifest["layers"]):
@@ -202,10 +188,10 @@ def _first_moe_mlp_out(family: str, tiny_dir) -> str:
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_a_flipped_router_normalisation_in_the_manifest_fails_at_the_first_moe_mlp_out(family, tiny_dir, neutral,
+def test_a_flipped_router_normalisation_in_the_manifest_fails_at_the_first_moe_mlp_out(family, tiny_dir, neutral_dir,
                                                                                        tmp_path):
     broken = tmp_path / "broken"
-    shutil.copytree(neutral(family), broken)
+    shutil.copytree(neutral_dir(family), broken)
     manifest = json.loads((broken / "manifest.json").read_text())
     for layer in manifest["layers"]:
         if layer["mlp"]["moe"] is not None:
@@ -217,7 +203,7 @@ def test_a_flipped_router_normalisation_in_the_manifest_fails_at_the_first_moe_m
     assert report.first_divergence.name == first
     names = [p.name for p in report.points]
     assert all(p.passed for p in report.points[: names.index(first)])
-    assert parity.check(tiny_dir(family), neutral(family), layerwise=True, calibrate=True).verdict == "pass"
+    assert parity.check(tiny_dir(family), neutral_dir(family), layerwise=True, calibrate=True).verdict == "pass"
 
 
 def test_a_qwen3_moe_checkpoint_with_norm_topk_prob_flipped_fails_at_the_first_moe_mlp_out(tiny_dir, tmp_path):

@@ -17,23 +17,9 @@ from parity import lazy, runner
 from parity.checkpoint import open_checkpoint
 from parity.errors import ParityError
 from parity.executor.model import NeutralModel
-from parity.neutral import convert, load
+from parity.neutral import load
 
 from .conftest import FAMILIES
-
-
-@pytest.fixture(scope="module")
-def neutral_dir(tiny_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("streamed-neutral")
-    built: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in built:
-            convert(tiny_dir(family), root / family)
-            built[family] = root / family
-        return built[family]
-
-    return get
 
 
 def _logits(out):

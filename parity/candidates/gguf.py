@@ -101,8 +101,8 @@ class GGUFRun:
         if not self.model:
             said = next((line for line in reversed(self.log) if "error loading model" in line), None)
             raise ParityError(f"--candidate {path}: llama.cpp cannot load it ("
-                              f"{said.split('error loading model:', 1)[1].strip() if said else 'see llama.cpp log'}): an "
-                              f"architecture, tensor or setting this llama.cpp does not know")
+                              f"{said.split('error loading model:', 1)[1].strip() if said else 'see llama.cpp log'}): a damaged file, "
+                              f"or an architecture, tensor or setting this llama.cpp does not know")
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.captured: dict[str, torch.Tensor] = {}
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
