@@ -4,10 +4,15 @@
  * row-major [batch, seq, width]) and the token ids it ran, and call it once. A safetensors file
  * is an 8-byte little-endian header length, a JSON header, then the raw little-endian bytes.
  *
+ * An engine that decodes (parity check --decode N) calls dump_write_decode() instead, with the N tokens it was
+ * fed one at a time after the prompt, and each point's steps stacked as one tensor "decode.<point>" of shape
+ * [1, N, width] (step k at row k - 1).
+ *
  * main() is a small command line around it, which parity's tests drive:
  *
  *   cc -std=c99 -O2 -o dump_writer docs/dump_writer.c
  *   ./dump_writer dump.safetensors 20,96,172 embed=embed.f32:1x3x64 logits=logits.f32:1x3x256
+ *   ./dump_writer dump.safetensors 20,96,172 --decode 7,9 logits=l.f32:1x3x256 decode.logits=d.f32:1x2x256
  *
  * each .f32 file holding one point's raw float32 values (native byte order, row-major).
  */
@@ -66,17 +71,29 @@ static int write_f32_le(FILE *f, const float *x, size_t n) {
     return (k && fwrite(chunk, 1, k, f) != k) ? -1 : 0;
 }
 
-/* Writes n tensors and the n_ids token ids to path. Returns 0, or -1 (with a message on stderr). */
-int dump_write(const char *path, const int64_t *ids, size_t n_ids, const dump_tensor *t, size_t n) {
+static int append_ids(text *h, const int64_t *ids, size_t n) {
+    char item[32];
+    int failed = append(h, "\"[");
+    for (size_t i = 0; i < n && !failed; i++) {
+        snprintf(item, sizeof item, "%s%lld", i ? "," : "", (long long)ids[i]);
+        failed = append(h, item);
+    }
+    return failed || append(h, "]\"");
+}
+
+/* Writes n tensors, the n_ids token ids of the prompt and the n_tokens tokens fed one decode step at a time
+ * after it (none: tokens NULL, n_tokens 0) to path. Returns 0, or -1 (with a message on stderr). */
+int dump_write_decode(const char *path, const int64_t *ids, size_t n_ids, const int64_t *tokens, size_t n_tokens,
+                      const dump_tensor *t, size_t n) {
     text h = {0};
     char item[256];
     uint64_t offset = 0;
-    int failed = append(&h, "{\"__metadata__\":{\"input_ids\":\"[");
-    for (size_t i = 0; i < n_ids && !failed; i++) {
-        snprintf(item, sizeof item, "%s%lld", i ? "," : "", (long long)ids[i]);
-        failed = append(&h, item);
+    int failed = append(&h, "{\"__metadata__\":{\"input_ids\":") || append_ids(&h, ids, n_ids);
+    if (n_tokens) {
+        snprintf(item, sizeof item, ",\"steps\":\"%zu\",\"decode_tokens\":", n_tokens);
+        failed = failed || append(&h, item) || append_ids(&h, tokens, n_tokens);
     }
-    failed = failed || append(&h, "]\"}");
+    failed = failed || append(&h, "}");
     for (size_t i = 0; i < n && !failed; i++) {
         if (!plain_name(t[i].name)) {
             fprintf(stderr, "dump_write: %s: use capture-point names (letters, digits, '.', '_')\n", t[i].name);
@@ -115,6 +132,11 @@ int dump_write(const char *path, const int64_t *ids, size_t n_ids, const dump_te
     return bad ? -1 : 0;
 }
 
+/* Writes n tensors and the n_ids token ids the engine ran (a prompt, no decode steps). */
+int dump_write(const char *path, const int64_t *ids, size_t n_ids, const dump_tensor *t, size_t n) {
+    return dump_write_decode(path, ids, n_ids, NULL, 0, t, n);
+}
+
 /* ---------------------------------------------------------------- the command line */
 
 static float *read_floats(const char *file, size_t count) {
@@ -135,22 +157,30 @@ static float *read_floats(const char *file, size_t count) {
     return x;
 }
 
+/* "1,2,3" -> a malloc'd array of its *count integers. */
+static int64_t *parse_ids(const char *list, size_t *count) {
+    *count = 1;
+    for (const char *c = list; *c; c++) *count += *c == ',';
+    int64_t *ids = malloc(*count * sizeof *ids);
+    char *cursor = (char *)list;
+    for (size_t i = 0; ids && i < *count; i++) ids[i] = strtoll(cursor, &cursor, 10), cursor += *cursor == ',';
+    return ids;
+}
+
 int main(int argc, char **argv) {
-    if (argc < 4) {
-        fprintf(stderr, "usage: %s OUT.safetensors ID,ID,... NAME=FILE.f32:BxSxW ...\n", argv[0]);
+    int decoding = argc > 4 && strcmp(argv[3], "--decode") == 0, first = decoding ? 5 : 3;
+    if (argc < first + 1) {
+        fprintf(stderr, "usage: %s OUT.safetensors ID,ID,... [--decode T,T,...] NAME=FILE.f32:BxSxW ...\n", argv[0]);
         return 2;
     }
-    size_t n_ids = 1, n = (size_t)argc - 3;
-    for (const char *c = argv[2]; *c; c++) n_ids += *c == ',';
-    int64_t *ids = malloc(n_ids * sizeof *ids);
+    size_t n_ids, n_tokens = 0, n = (size_t)(argc - first);
+    int64_t *ids = parse_ids(argv[2], &n_ids), *tokens = decoding ? parse_ids(argv[4], &n_tokens) : NULL;
     dump_tensor *t = calloc(n, sizeof *t);
-    if (!ids || !t) return 1;
-    char *cursor = argv[2];
-    for (size_t i = 0; i < n_ids; i++) ids[i] = strtoll(cursor, &cursor, 10), cursor += *cursor == ',';
+    if (!ids || !t || (decoding && !tokens)) return 1;
 
     int status = 0;
     for (size_t i = 0; i < n && !status; i++) {
-        char *spec = argv[3 + i], *eq = strchr(spec, '='), *colon = strrchr(spec, ':');
+        char *spec = argv[first + i], *eq = strchr(spec, '='), *colon = strrchr(spec, ':');
         long long b, s, w;
         if (!eq || !colon || colon < eq || sscanf(colon + 1, "%lldx%lldx%lld", &b, &s, &w) != 3) {
             fprintf(stderr, "%s: expected NAME=FILE.f32:BxSxW\n", spec);
@@ -164,9 +194,10 @@ int main(int argc, char **argv) {
             status = 1;
         }
     }
-    if (!status && dump_write(argv[1], ids, n_ids, t, n) != 0) status = 1;
+    if (!status && dump_write_decode(argv[1], ids, n_ids, tokens, n_tokens, t, n) != 0) status = 1;
     for (size_t i = 0; i < n; i++) free((void *)t[i].data);
     free(t);
     free(ids);
+    free(tokens);
     return status;
 }

@@ -806,3 +806,18 @@ def ignored(name: str, variant: Variant, env: dict) -> bool:
     """Whether a checkpoint tensor belongs to something the adapter deliberately leaves out."""
     return any(fnmatch.fnmatchcase(name, _fill(p, **{k: v for k, v in env.items() if isinstance(v, (int, str))}))
                for p in variant.ignore)
+
+
+def rope_settings(r: Resolved, i: int, style: str) -> dict | None:
+    """Layer i's RoPE as the manifest states it (None without RoPE)."""
+    if r["positions.kind"] != "rope":
+        return None
+    return {
+        "theta": r.layer("positions.rope_theta", i),
+        "style": style,
+        "rotary_dim": r.layer("positions.rotary_dim", i),
+        "head_dim": r.layer("attention.qk_rope_head_dim", i) or r.layer("attention.head_dim", i),
+        "scaling": r.layer("positions.rope_scaling", i),
+        "max_positions": r["positions.max_positions"],
+        "compute_dtype": r["positions.rope_dtype"],  # "model", or "float32": rotate upcast, cast back
+    }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import Resolved, ResolvedBuffer
+from .adapter import Resolved, ResolvedBuffer, rope_settings
 from .checkpoint import Checkpoint, TensorCheck
 
 # How far a saved inv_freq may sit from the one the config implies: float32 buffers were computed as parity
@@ -22,8 +22,6 @@ def _inv_freq_verdict(r: Resolved, buffer: ResolvedBuffer, saved, dtype: str) ->
     """Whether a saved RoPE inv_freq agrees with the RoPE the config gives its layer (any layer, for a
     model-level buffer), and what it says otherwise."""
     from .executor.rope import inv_freq
-    from .neutral import rope_settings
-
     layers = [buffer.layer] if buffer.layer is not None else range(r.num_layers)
     ropes = [rope for rope in (rope_settings(r, i, "half") for i in layers) if rope is not None]
     saved = saved.double().flatten()

@@ -33,6 +33,7 @@ class Bug:
     inject: Callable[[dict, Tensors], None]   # changes (manifest, tensors) in place
     dtype: str = "float32"       # the dtype its selftest runs in
     width: int | None = None     # its selftest's hidden size, where 64 is too narrow for the mistake to show
+    decode: bool = False         # a KV-cache mistake: only decode steps show it (check --decode), the prefill passes
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,6 +243,25 @@ def _mla_dropped(m: dict, t: Tensors) -> None:
             att["mla"]["q_a_norm"] = att["mla"]["kv_a_norm"] = None
 
 
+def _cache_policy(**policy) -> Callable[[dict, Tensors], None]:
+    """A decode bug: the executor's cache (parity.executor.cache) follows this policy instead of the correct one."""
+    def inject(m: dict, t: Tensors) -> None:
+        m["kv_cache"] = {**m.get("kv_cache", {}), **policy}
+    return inject
+
+
+def decodes(m: dict) -> bool:
+    """A causal language model: it has decode steps."""
+    return bool(m["head"]) and all(layer["attention"]["causal"] for layer in m["layers"])
+
+
+def _uniform_kv(m: dict) -> bool:
+    """Every layer caches keys and values of one shape, and none reuses another's: a cache whose slots any layer
+    could write (where shapes differ, a port that mixes up slots fails loudly instead)."""
+    shapes = {(a["kv_heads"], a["head_dim"], bool(a["mla"])) for _, a in _attention(m)}
+    return len(shapes) == 1 and not _has(m, lambda a: a["kv_shared_from"] is not None)
+
+
 def _rms(m: dict) -> bool:
     return any(spec["kind"] == "rmsnorm" for _, spec, _, _ in _norms(m))
 
@@ -334,6 +354,27 @@ CATALOG: list[Bug] = [
     Bug("mla-norm-dropped", "`q_a_layernorm` / `kv_a_layernorm` skipped", "MLA without its two latent norms",
         "garbage at once", "no public instance found",
         lambda m: _has(m, lambda a: a["mla"] is not None), _mla_dropped),
+    # KV-cache mistakes: the prefill is right, decode steps are not
+    Bug("decode-position-offset", "decode steps placed one position late (the new token counted twice)",
+        "decode steps at positions shifted by one", "decode only", "no public instance found",
+        decodes, _cache_policy(position_offset=1), decode=True),
+    Bug("sliding-window-cache-off-by-one", "a sliding-window cache that wraps one slot early",
+        "a sliding-window cache holding one key fewer than the window", "decode only", "no public instance found",
+        lambda m: decodes(m) and _has(m, lambda a: bool(a["sliding_window"])), _cache_policy(window_slack=-1),
+        decode=True),
+    Bug("kv-cache-wrong-layer", "each layer's keys and values written to the next layer's cache slot",
+        "layers reading another layer's cached keys and values", "decode only", "no public instance found",
+        lambda m: decodes(m) and len(m["layers"]) > 1 and _uniform_kv(m), _cache_policy(layer_shift=1),
+        decode=True),
+    Bug("decode-softcap-dropped", "the decode kernel skips the attention softcap the prefill applies",
+        "decode steps without the attention softcap", "decode only", "no public instance found",
+        lambda m: decodes(m) and _has(m, lambda a: bool(a["softcap"])), _cache_policy(decode_softcap=False),
+        decode=True),
+    Bug("kv-heads-order-swapped", "cached kv heads stored in another order (GQA groups read the wrong head)",
+        "cached keys and values with their kv heads reversed", "decode only", "no public instance found",
+        lambda m: decodes(m) and _has(m, lambda a: a["mla"] is None and a["kv_shared_from"] is None
+                                       and a["kv_heads"] > 1), _cache_policy(kv_head_order="reversed"),
+        decode=True),
 ]
 
 BY_ID = {b.id: b for b in CATALOG}

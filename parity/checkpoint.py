@@ -336,3 +336,15 @@ def open_checkpoint(path: Path, adapter_dirs=(), *, adapters: dict[str, Adapter]
     if files:
         check_index(path, tensors)
     return Checkpoint(path, cfg_path, config, adapter, variant, resolved, files, tensors, quantization)
+
+
+def refuse_mismatched(ckpt: Checkpoint, role: str) -> None:
+    """Refuse a checkpoint whose tensors are missing or misshapen for its config: transformers would crash on it,
+    or initialise the missing weights at random and give a verdict about noise."""
+    found = ckpt.check()
+    if found.missing or found.wrong_shape:
+        problems = "; ".join(f"{label} ({len(items)}): {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
+                             for label, items in (("missing", found.missing), ("wrong shape", found.wrong_shape))
+                             if items)
+        raise ParityError(f"{role} {ckpt.path}: tensors do not match its config ({ckpt.resolved.family}): {problems}; "
+                          f"check that config.json belongs to these weights")

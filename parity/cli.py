@@ -349,6 +349,9 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
 @click.option("--junit", type=click.Path(path_type=Path), default=None, help="Write JUnit XML, one case per point.")
 @click.option("--generate", type=click.IntRange(min=0), default=0, metavar="N",
               help="Also greedy-decode N tokens with both and report the first position where they differ.")
+@click.option("--decode", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Check the KV-cache path: the candidate runs the prompt, then N single-token steps with its own "
+                   "cache, each compared with the reference's uncached forward at that position.")
 @click.option("--per-layer", is_flag=True, help="Show one row per layer instead of one per point.")
 @click.option("--inject", metavar="BUG", default=None,
               help="Run a neutral candidate with a catalogued porting mistake applied (see `parity bugs`).")
@@ -372,8 +375,8 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
                    "quantization is not taken for a porting mistake.")
 @adapters_option
 def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
-              tolerance, report_paths, junit, generate, per_layer, inject, checkpoint, provider, maps, stream, device,
-              candidate_device, layer_span, same_weights, adapter_dirs):
+              tolerance, report_paths, junit, generate, decode, per_layer, inject, checkpoint, provider, maps, stream,
+              device, candidate_device, layer_span, same_weights, adapter_dirs):
     """Compare a candidate against the reference, point by point; exit 0 pass, 1 fail, 2 no verdict.
 
     \b
@@ -383,12 +386,14 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
       parity check --reference ./qwen3 --candidate ./port --layerwise --isolate --junit parity.xml
       parity check --reference golden/llama --candidate engine-dump.safetensors --layerwise
       parity check --reference ./llama --candidate llama.onnx --layerwise --map layers.0.out=/model/layers.0/Add_1_output_0
+      parity check --reference ./gemma-3-1b --candidate ./gemma-3-1b.neutral --layerwise --decode 32
     """
     from .runner import check, check_same_weights
 
     report = _run_check(reference, candidate, dtype=dtype, layerwise=layerwise, isolate=isolate, calibrate=calibrate,
                         tolerance=list(tolerance), prompt=prompt, ids=_parse_id_list(ids), length=length,
-                        inputs_file=inputs_file, generate=generate, adapter_dirs=adapter_dirs, per_layer=per_layer,
+                        inputs_file=inputs_file, generate=generate, decode=decode, adapter_dirs=adapter_dirs,
+                        per_layer=per_layer,
                         report_paths=report_paths, junit=junit, run=check_same_weights if same_weights else check,
                         checkpoint=checkpoint, inject=inject,
                         provider=provider, maps=list(maps), stream=stream, device=device,
@@ -523,9 +528,12 @@ def golden_group():
 @click.option("--storage", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="float16 halves the size; its rounding (rel_l2 ~3e-4) becomes a floor on tolerances.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
+@click.option("--decode", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Also store the first input's greedy continuation (N tokens) and each decode step's points, "
+                   "for `check --decode N` against the golden.")
 @adapters_option
 def golden_record_cmd(reference, out, prompt, ids, inputs_file, length, dtype, points, calibrate, storage, force,
-                      adapter_dirs):
+                      decode, adapter_dirs):
     """Run REFERENCE with transformers and store its activations, inputs and sha256s as a golden.
 
     \b
@@ -537,10 +545,12 @@ def golden_record_cmd(reference, out, prompt, ids, inputs_file, length, dtype, p
     with Console(stderr=True).status("recording") as status:
         golden = record(reference, out, prompt=prompt, ids=_parse_id_list(ids), length=length,
                         inputs_file=inputs_file, dtype=dtype, points=points, calibrate=calibrate, storage=storage,
-                        force=force, adapter_dirs=adapter_dirs, progress=lambda message: status.update(message))
+                        force=force, adapter_dirs=adapter_dirs, progress=lambda message: status.update(message),
+                        decode=decode)
     tokens = ", ".join(str(len(r["ids"])) for r in golden.runs)
-    click.echo(f"wrote {out}: {golden.description['family']}, {len(golden.points)} points, {tokens} tokens, "
-               f"{storage}{', calibrated for ' + dtype if calibrate else ''}; {_size(size(out))}")
+    click.echo(f"wrote {out}: {golden.description['family']}, {len(golden.points)} points, {tokens} tokens"
+               f"{f' and {decode} decode steps' if decode else ''}, {storage}"
+               f"{', calibrated for ' + dtype if calibrate else ''}; {_size(size(out))}")
 
 
 @golden_group.command("verify", context_settings=CONTEXT)
@@ -557,9 +567,9 @@ def golden_verify_cmd(golden, reference, report_paths, adapter_dirs):
     Example:
       parity golden verify golden/gemma-2-9b --reference ./gemma-2-9b
     """
-    from .golden import verify
+    from .runner import verify_golden
 
-    report = _run_check(golden, reference, run=verify, per_layer=False, report_paths=report_paths, junit=None,
+    report = _run_check(golden, reference, run=verify_golden, per_layer=False, report_paths=report_paths, junit=None,
                         adapter_dirs=adapter_dirs)
     then = report.reference["recorded_with"]
     versions = f"recorded with transformers {then['transformers']}, torch {then['torch']}"
@@ -576,8 +586,11 @@ def golden_verify_cmd(golden, reference, report_paths, adapter_dirs):
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
               help="The JSON file to write: a list of token-id lists (replaced if it exists).")
 @input_options
+@click.option("--decode", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Also write the N tokens to feed one step at a time after the first prompt (the reference's "
+                   "greedy continuation), for `check --decode N`.")
 @adapters_option
-def inputs_cmd(reference, out, prompt, ids, inputs_file, length, adapter_dirs):
+def inputs_cmd(reference, out, prompt, ids, inputs_file, length, decode, adapter_dirs):
     """Write the exact token ids an engine must run to be checked against REFERENCE (a checkpoint or a golden).
 
     The file is what `parity check --inputs` reads, so both sides run the same ids.
@@ -585,13 +598,16 @@ def inputs_cmd(reference, out, prompt, ids, inputs_file, length, adapter_dirs):
     \b
     Example:
       parity inputs golden/llama -o inputs.json
+      parity inputs golden/llama --decode 32 -o inputs.json
     """
-    from .dumps import inputs_for, write_inputs
+    from .dumps import write_inputs
+    from .references import inputs_for
 
-    rows = inputs_for(reference, prompt=prompt, ids=_parse_id_list(ids), length=length, inputs_file=inputs_file,
-                      adapter_dirs=adapter_dirs)
-    write_inputs(out, rows)
-    click.echo(f"wrote {out}: {len(rows)} input(s) of {', '.join(str(len(r)) for r in rows)} tokens")
+    rows, tokens = inputs_for(reference, prompt=prompt, ids=_parse_id_list(ids), length=length,
+                              inputs_file=inputs_file, adapter_dirs=adapter_dirs, decode=decode)
+    write_inputs(out, rows, tokens)
+    click.echo(f"wrote {out}: {len(rows)} input(s) of {', '.join(str(len(r)) for r in rows)} tokens"
+               f"{f', then {len(tokens)} decode tokens' if tokens else ''}")
 
 
 def _size(nbytes: int) -> str:

@@ -112,6 +112,8 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
     where = point.replace("layers.", "layer ").replace(".", " ")
     scored = []
     for bug in bugs.applicable(manifest):
+        if bug.decode:  # a cache mistake changes no prefill
+            continue
         try:
             m, t = bugs.inject(bug.id, manifest, tensors)
         except KeyError:  # a mistake in tensors this layer does not read (the head, the embedding): not here
@@ -122,8 +124,13 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
         residual = max([_rel(candidate[point], got[point])] + ([_rel(candidate[final], got[final])]
                                                                if final in got and final in wanted else []))
         scored.append((residual, bug))
-    scored.sort(key=lambda x: x[0])
     evidence_tail = position_evidence(candidate[point], reference[point], tolerance)
+    return _named(scored, baseline, where, evidence_tail)
+
+
+def _named(scored: list, baseline: float, where: str, evidence_tail: str) -> list[dict]:
+    """The diagnosis from each hypothesis' residual: the ones that reproduce the candidate, or ``unknown``."""
+    scored.sort(key=lambda x: x[0])
     if scored and scored[0][0] < EXPLAINS * baseline:
         best = scored[0][0]
         out = []
@@ -139,3 +146,48 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
     return [{"bug": "unknown", "confidence": 0.0, "residual": scored[0][0] if scored else None,
              "evidence": f"{where}: no catalogued mistake reproduces the candidate (its error {baseline:.2g}); "
                          f"closest: {closest or 'none applicable'}{evidence_tail}."}]
+
+
+def diagnose_decode(reference_dir: Path, kept: dict, ids: torch.Tensor, tokens: list[int], dtype: torch.dtype,
+                    adapter_dirs=()) -> list[dict]:
+    """The diagnosis of a check that first fails at a decode step (``kept``: parity.decode's, the step, the point
+    and both sides' tensors there and the step's logits). Each hypothesis of the catalog, the decode bugs (a
+    cache policy) and the others alike (a sliding window ignored shows only once decoding passes the window),
+    is run by the executor from the converted reference: the prompt, then the same tokens, one step at a time
+    with its cache, to the failing step."""
+    from .executor.model import NeutralModel
+    from .neutral import convert, load
+
+    step, point = kept["step"], kept["point"]
+    candidate, reference = kept["candidate"], kept["reference"]
+    logits = kept.get("logits", {}).get(step)
+    with tempfile.TemporaryDirectory(prefix="parity-diagnose-") as tmp:
+        convert(reference_dir, Path(tmp) / "reference", adapter_dirs=adapter_dirs)
+        manifest, tensors = load(Path(tmp) / "reference")
+
+    def run(m: dict, t: dict) -> dict:
+        model = NeutralModel(m, t, dtype)
+        cache = model.new_cache()
+        model(ids, cache=cache)
+        got: dict[str, torch.Tensor] = {}
+        for k, token in enumerate(tokens[:step], 1):
+            model(torch.tensor([[token]]), cache=cache,
+                  on_point=lambda n, x: got.setdefault(n, x.clone()) if k == step and n in (point, "logits") else None)
+        return got
+
+    baseline = _rel(candidate, reference)
+    scored = []
+    for bug in bugs.applicable(manifest):
+        m, t = bugs.inject(bug.id, manifest, tensors)
+        try:
+            got = run(m, t)
+        except RuntimeError:  # a mistake this model's shapes cannot even run: not what the candidate did
+            continue
+        residual = _rel(candidate, got[point])
+        if logits is not None and "logits" in got and point != "logits":
+            residual = max(residual, _rel(logits[0], got["logits"]))
+        scored.append((residual, bug))
+    where = f"decode step {step} (position {ids.shape[1] + step - 1}), " + point.replace("layers.", "layer ") \
+        .replace(".", " ")
+    first = "the first decode step" if step == 1 else f"step {step}; the steps before it agree"
+    return _named(scored, baseline, where, f"; the error starts at {first}")

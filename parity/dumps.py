@@ -8,6 +8,10 @@ float dtype; the token ids the engine ran are JSON under the metadata key ``inpu
 optional: those a dump lacks are listed as not compared. A dump whose ids differ from the reference's
 is refused (exit 2): its numbers would be compared against another input.
 
+Decode steps (``check --decode N``): the tokens the engine was fed one at a time after the prompt, from its own
+KV cache, are JSON under ``decode_tokens`` (and their count under ``steps``), and each point's steps are one
+stacked tensor ``decode.{point}`` of shape [1, steps, width], step k at index k - 1.
+
 parity.candidates.dump makes these files a candidate kind.
 """
 
@@ -20,12 +24,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import atomic, names, runner
+from . import atomic, names
 from .errors import ParityError
 from .shards import FLOAT_DTYPES, read_header
 
 SUFFIX = ".safetensors"
 INPUT_IDS = "input_ids"
+DECODE_TOKENS = "decode_tokens"
+STEPS = "steps"
+DECODE = "decode."  # decode.{point}: a point's decode steps, stacked
 FIX = "write it again (docs/dumps.md)"
 
 
@@ -36,13 +43,16 @@ def _rows(input_ids) -> list[list[int]]:
     return [[int(i) for i in row] for row in rows]
 
 
-def write_dump(path: Path, points: dict[str, torch.Tensor], input_ids) -> Path:
+def write_dump(path: Path, points: dict[str, torch.Tensor], input_ids, decode_tokens: list[int] | None = None
+               ) -> Path:
     """Write ``points`` (capture-point name -> [batch, seq, ...] float tensor) and the ids the engine ran.
 
     Args:
         path: the ``.safetensors`` file to write (replaced atomically if it exists).
-        points: activations by capture-point name (``embed``, ``layers.0.out``, ``logits``, ...).
+        points: activations by capture-point name (``embed``, ``layers.0.out``, ``logits``, ...), and with
+            ``decode_tokens`` each point's decode steps as ``decode.{point}`` [1, steps, width].
         input_ids: the token ids, as a list, a list of rows, or a tensor of shape [S] or [B, S].
+        decode_tokens: the tokens fed one step at a time after the prompt, if the engine decoded.
     Returns:
         ``path``.
     """
@@ -51,10 +61,17 @@ def write_dump(path: Path, points: dict[str, torch.Tensor], input_ids) -> Path:
     if not rows or not rows[0]:
         raise ParityError(f"{path}: no input ids; pass the token ids the engine ran")
     batch, seq = len(rows), len(rows[0])
-    bad = [f"{name} {list(t.shape)} {t.dtype}" for name, t in points.items()
-           if not t.is_floating_point() or t.dim() < 3 or tuple(t.shape[:2]) != (batch, seq)]
+    steps = len(decode_tokens) if decode_tokens else 0
+
+    def fits(name: str, t: torch.Tensor) -> bool:
+        length = steps if name.startswith(DECODE) else seq
+        return t.is_floating_point() and t.dim() >= 3 and tuple(t.shape[:2]) == (batch, length) and length > 0
+
+    bad = [f"{name} {list(t.shape)} {t.dtype}" for name, t in points.items() if not fits(name, t)]
     if bad:
-        raise ParityError(f"{path}: tensors must be float, shaped [batch={batch}, seq={seq}, width]: {', '.join(bad)}")
+        steps_rule = f" (decode.* [batch, steps={steps}, width])" if steps else ""
+        raise ParityError(f"{path}: tensors must be float, shaped [batch={batch}, seq={seq}, width]{steps_rule}: "
+                          f"{', '.join(bad)}")
     tensors, storages = {}, set()
     for name, t in points.items():
         t = t.detach().cpu().contiguous()
@@ -63,7 +80,10 @@ def write_dump(path: Path, points: dict[str, torch.Tensor], input_ids) -> Path:
         storages.add(t.untyped_storage().data_ptr())
         tensors[name] = t
     with atomic.output_file(path, force=True, companions=()) as tmp:
-        save_file(tensors, str(tmp / path.name), metadata={INPUT_IDS: json.dumps(rows[0] if batch == 1 else rows)})
+        metadata = {INPUT_IDS: json.dumps(rows[0] if batch == 1 else rows)}
+        if steps:
+            metadata.update({DECODE_TOKENS: json.dumps([int(i) for i in decode_tokens]), STEPS: str(steps)})
+        save_file(tensors, str(tmp / path.name), metadata=metadata)
     return path
 
 
@@ -131,7 +151,8 @@ def dump_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed,
                           f"tokens, the reference {len(want)}; first difference at position {where}); run the engine "
                           f"on the ids of `parity inputs REFERENCE -o inputs.json`")
     capture = {c.name for c in ckpt.resolved.capture}
-    stored = list(header.tensors)
+    decoded = header.metadata.get(DECODE_TOKENS) is not None
+    stored = [n for n in header.tensors if not (decoded and n.startswith(DECODE))]  # steps: dump_decoder's
     unknown = [n for n in stored if not _expected(n, capture, ckpt.resolved.num_layers)]
     if unknown:
         raise ParityError(f"--candidate {path}: tensors not named by a capture point of this {ckpt.resolved.family} "
@@ -177,23 +198,63 @@ def is_dump(path: Path) -> bool:
     return Path(path).suffix == SUFFIX and Path(path).is_file()
 
 
+def dump_decoder(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int], ckpt):
+    """Replays a dump's decode steps (``decode.{point}``, stacked) as a candidate's: after checking that the
+    engine ran these ids and was fed these tokens, and each stacked tensor's shape."""
+    header = read_header(path, FIX)
+    dump_runner(models, path, dtype, ids, None, ckpt)  # the prompt's ids and points, checked
+    raw = header.metadata.get(DECODE_TOKENS)
+    if raw is None:
+        raise ParityError(f"--candidate {path}: the dump holds no decode steps (no {DECODE_TOKENS!r} metadata); run "
+                          f"the engine on `parity inputs REFERENCE --decode {len(tokens)} -o inputs.json`, feeding "
+                          f"the decode tokens one at a time (docs/dumps.md)")
+    fed = parse_ids(raw, path)[0]
+    if header.metadata.get(STEPS) not in (None, str(len(fed))):
+        raise ParityError(f"--candidate {path}: metadata {STEPS!r} is {header.metadata[STEPS]!r} for "
+                          f"{len(fed)} decode tokens; {FIX}")
+    if fed[:len(tokens)] != tokens:
+        where = next((k for k, (a, b) in enumerate(zip(fed, tokens)) if a != b), min(len(fed), len(tokens)))
+        raise ParityError(f"--candidate {path}: the engine was fed other decode tokens than the reference's ({len(fed)} "
+                          f"steps for {len(tokens)}; first difference at step {where + 1}); feed it the tokens of "
+                          f"`parity inputs REFERENCE --decode {len(tokens)} -o inputs.json`")
+    capture = {c.name for c in ckpt.resolved.capture}
+    vocab, hidden = _widths(ckpt)
+    stacked = {}
+    for key, entry in header.tensors.items():
+        if not key.startswith(DECODE):
+            continue
+        name = key[len(DECODE):]
+        if not _expected(name, capture, ckpt.resolved.num_layers):
+            raise ParityError(f"--candidate {path}: {key} is not named by a capture point of this "
+                              f"{ckpt.resolved.family} model (decode.embed, decode.layers.0.out, ...; docs/dumps.md)")
+        if name not in capture:
+            continue
+        width = vocab if name == "logits" else hidden
+        shape = list(entry.shape)
+        if entry.dtype not in FLOAT_DTYPES or len(shape) != 3 or shape[:2] != [1, len(fed)] or \
+                (shape[2] < width if name == "logits" else shape[2] != width):
+            raise ParityError(f"--candidate {path}: {key} is {entry.dtype} {shape}, expected a float tensor of shape "
+                              f"[1, steps={len(fed)}, {width}] (docs/dumps.md)")
+        stacked[name] = key
 
-def inputs_for(reference: Path, *, prompt: str | None = None, ids: list[int] | None = None,
-               length: int | None = None, inputs_file: Path | None = None, adapter_dirs=()) -> list[list[int]]:
-    """The token ids an engine must run to be checked against ``reference`` (a checkpoint or a golden)."""
-    from .checkpoint import open_checkpoint
-    from .golden import is_golden, open_golden
+    def run(emit) -> None:
+        with safe_open(path, framework="pt") as handle:
+            steps = {name: handle.get_tensor(key)[..., :vocab] if name == "logits" else handle.get_tensor(key)
+                     for name, key in stacked.items()}
+        for step in range(1, len(tokens) + 1):
+            for name in sorted(steps, key=names.point_order):
+                emit(step, name, steps[name][:, step - 1:step])
 
-    asked = {"prompt": prompt, "ids": ids, "length": length, "inputs_file": inputs_file}
-    if is_golden(Path(reference)):
-        chosen = open_golden(Path(reference), adapter_dirs).inputs(**asked)
-    else:
-        chosen = runner.select_inputs(open_checkpoint(Path(reference), adapter_dirs), **asked)
-    return [inputs.ids[0].tolist() for inputs in chosen]
+    return run
 
 
-def write_inputs(path: Path, rows: list[list[int]]) -> Path:
-    """A JSON list of token-id lists: what the engine runs, and what ``parity check --inputs`` reads back."""
+def write_inputs(path: Path, rows: list[list[int]], decode: list[int] | None = None) -> Path:
+    """A JSON list of token-id lists: what the engine runs, and what ``parity check --inputs`` reads back. With
+    ``decode`` (the tokens to feed one step at a time after the first prompt), the first item is
+    ``{"ids": [...], "decode": [...]}``."""
+    items = [json.dumps(row) for row in rows]
+    if decode:
+        items[0] = json.dumps({"ids": rows[0], "decode": decode})
     with atomic.output_file(Path(path), force=True, companions=()) as tmp:
-        (tmp / Path(path).name).write_text("[\n" + ",\n".join(json.dumps(row) for row in rows) + "\n]\n")
+        (tmp / Path(path).name).write_text("[\n" + ",\n".join(items) + "\n]\n")
     return Path(path)

@@ -32,10 +32,13 @@ import torch
 from pydantic import Field, ValidationError
 from safetensors import safe_open
 
-from . import __version__, atomic, dumps, runner
+from . import __version__, atomic, dumps, names
 from .adapter import load_all
 from .checkpoint import Checkpoint, check_config, inside, open_checkpoint, plain_file_name, resolve_config
 from .compare import Tolerances, metrics
+from .decode import decodes, greedy, prompt_length, uncached_steps
+from .inputs import Inputs, make_inputs, read_inputs_file, select_inputs
+from .models import DTYPES, Emit, LayerInputs, Models, Stream, hf_runner, layer_inputs, would_not_fit
 from .errors import ParityError
 from .neutral import StrictSpec, validation_problem
 from .shards import FLOAT_DTYPES, read_header, sha256_file
@@ -68,7 +71,7 @@ def select_points(ckpt: Checkpoint, which: str) -> list[str]:
     if which not in SELECTIONS:
         raise ParityError(f"--points {which!r} is not one of {', '.join(SELECTIONS)}")
     points = [c.name for c in ckpt.resolved.capture]
-    final = runner._forward_names(ckpt, layerwise=False)
+    final = names.compared_points(ckpt, layerwise=False)
     if which == "all":
         return points
     if which == "final":
@@ -111,17 +114,41 @@ class Golden:
         return {"kind": "golden", "path": str(self.path), "recorded_with": self.description["recorded_with"],
                 "checkpoint": self.description["checkpoint"]["sha256"]}
 
-    def runner(self, k: int) -> Callable[[runner.Emit], None]:
-        """Emits run k's stored points in forward order (as float32), in place of a transformers run."""
+    kind = "golden"
+    stored = True  # activations and their calibrated noise are read, not computed
+
+    def runner(self, models: Models, k: int, ids: torch.Tensor, points: set[str] | None = None,
+               on_layer: Callable[[int], None] | None = None, last: int | None = None) -> Callable[[Emit], None]:
+        """Emits run k's stored points (``points``, else all) in forward order as float32, in place of a
+        transformers run."""
         file = run_file(self.path, self.runs[k]["file"])
         _keys(file)  # checked again: it may have changed since the golden was opened
 
-        def run(emit: runner.Emit) -> None:
+        def run(emit: Emit) -> None:
             with safe_open(file, framework="pt") as handle:
                 for name in self.points:
-                    emit(name, handle.get_tensor(name).float())
+                    if points is None or name in points:
+                        emit(name, handle.get_tensor(name).float())
 
         return run
+
+    def decode_steps(self, n: int, k: int = 0) -> dict:
+        """Run k's decode record, refused (exit 2) unless it holds at least n steps."""
+        held = self.runs[k].get("decode")
+        if held is None or len(held["tokens"]) < n:
+            has = "no decode steps" if held is None else f"{len(held['tokens'])} decode steps"
+            raise ParityError(f"--reference {self.path}: the golden holds {has}; record it with --decode {n} (or "
+                              f"more), or decode fewer steps")
+        return held
+
+    def decode_reference(self, models: Models, k: int, ids: torch.Tensor, n: int, points: set[str]):
+        """(the n tokens fed when it was recorded, each step's stored points [1, n, width], their storage
+        rounding)."""
+        held = self.decode_steps(n, k)
+        file = run_file(self.path, self.runs[k]["file"])
+        with safe_open(file, framework="pt") as handle:
+            steps = {p: handle.get_tensor(f"{dumps.DECODE}{p}")[:, :n].float() for p in self.points if p in points}
+        return held["tokens"][:n], steps, {p: held["points"][p]["storage_rel_l2"] for p in steps}
 
     def noise(self, k: int, name: str, dtype: str, isolated: bool = False) -> float | None:
         """Point ``name``'s calibrated noise in run k (measured in isolation when ``isolated``), when the golden was
@@ -135,18 +162,18 @@ class Golden:
         return self.runs[k]["points"][name]["storage_rel_l2"]
 
     def inputs(self, *, prompt: str | None = None, ids: list[int] | None = None, length: int | None = None,
-               inputs_file: Path | None = None) -> list[runner.Inputs]:
+               inputs_file: Path | None = None) -> list[Inputs]:
         """The golden's inputs; inputs asked for on the command line must be the same ones."""
-        stored = [runner.Inputs(torch.tensor([r["ids"]]), f"{r['source']} (golden)") for r in self.runs]
+        stored = [Inputs(torch.tensor([r["ids"]]), f"{r['source']} (golden)") for r in self.runs]
         if prompt is None and ids is None and length is None and inputs_file is None:
             return stored
-        asked = (runner.read_inputs_file(inputs_file) if inputs_file
+        asked = (read_inputs_file(inputs_file) if inputs_file
                  else [{"prompt": prompt, "ids": ids, "length": length}])
 
         def same(item: dict, run: dict) -> bool:
             if item.get("prompt") is not None:
                 return run["source"] == f"prompt {item['prompt']!r}"
-            return runner.make_inputs(self.checkpoint, ids=item.get("ids"), length=item.get("length")).ids[0].tolist() \
+            return make_inputs(self.checkpoint, ids=item.get("ids"), length=item.get("length")).ids[0].tolist() \
                 == run["ids"]
 
         if len(asked) != len(self.runs) or not all(same(a, r) for a, r in zip(asked, self.runs)):
@@ -155,8 +182,10 @@ class Golden:
                               f"those asked for; drop --prompt/--ids/--inputs/--length, or record a golden for them")
         return stored
 
-    def check_options(self, *, dtype: str, calibrate: bool, isolate: bool, generate: int) -> None:
-        """Refuse what a golden cannot answer, each with its fix."""
+    def check_options(self, *, dtype: str, calibrate: bool, isolate: bool, generate: int,
+                      checkpoint: Path | None = None, adapter_dirs=()) -> None:
+        """Refuse what a golden cannot answer, each with its fix; ``checkpoint`` must be the one it was recorded
+        from."""
         if calibrate and not self.calibrated_for(dtype):
             why = (f"was calibrated for {self.dtype} candidates" if self.description["calibrated"]
                    else "was recorded without --calibrate")
@@ -169,6 +198,8 @@ class Golden:
         if generate:
             raise ParityError(f"--reference {self.path}: --generate runs the reference model, and a golden holds one "
                               f"forward pass; generate against the checkpoint itself")
+        if checkpoint is not None:
+            self.match(Path(checkpoint), adapter_dirs)
 
     def match(self, directory: Path, adapter_dirs=()) -> None:
         """Raise unless ``directory`` is the checkpoint the golden was recorded from (by sha256)."""
@@ -196,11 +227,17 @@ class _PointSpec(StrictSpec):
     tolerance: Optional[dict[str, Any]] = None
 
 
+class _DecodeSpec(StrictSpec):
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    points: dict[str, _PointSpec]
+
+
 class _RunSpec(StrictSpec):
     source: str
     ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     file: str
     points: dict[str, _PointSpec]
+    decode: Optional[_DecodeSpec] = None  # --decode N: the tokens fed and each step's points (decode.{point})
 
 
 class _CheckpointSpec(StrictSpec):
@@ -275,12 +312,19 @@ def _check_run(path: Path, run: dict, points: list[str], vocab: int, hidden: int
     stored_ids = header.metadata.get(dumps.INPUT_IDS)
     if stored_ids is not None and dumps.parse_ids(stored_ids, file) != [ids]:
         raise ParityError(f"{file}: its input ids differ from those golden.json records for it; {fix}")
-    for name in points:
-        entry = header.tensors[name]
-        shape = [1, len(ids), vocab if name == "logits" else hidden]
-        if entry.dtype not in FLOAT_DTYPES or list(entry.shape) != shape or run["points"][name]["shape"] != shape:
-            raise ParityError(f"{file}: {name} is {entry.dtype} {list(entry.shape)} (golden.json: "
-                              f"{run['points'][name]['shape']}), expected a float tensor of shape {shape}; {fix}")
+    decode = run.get("decode")
+    steps = [] if decode is None else [(f"{dumps.DECODE}{p}", p, len(decode["tokens"]), decode["points"].get(p))
+                                       for p in points]
+    if decode is not None and [i for i in decode["tokens"] if i >= vocab]:
+        raise ParityError(f"{path / DESCRIPTION}: run {run['file']}'s decode tokens are outside [0, {vocab}); {fix}")
+    for key, name, length, described in [(p, p, len(ids), run["points"][p]) for p in points] + steps:
+        entry = header.tensors.get(key)
+        shape = [1, length, vocab if name == "logits" else hidden]
+        if entry is None or described is None:
+            raise ParityError(f"{file}: {key} is missing (from the file or golden.json); {fix}")
+        if entry.dtype not in FLOAT_DTYPES or list(entry.shape) != shape or described["shape"] != shape:
+            raise ParityError(f"{file}: {key} is {entry.dtype} {list(entry.shape)} (golden.json: "
+                              f"{described['shape']}), expected a float tensor of shape {shape}; {fix}")
 
 
 def open_golden(path: Path, adapter_dirs=()) -> Golden:
@@ -318,25 +362,20 @@ def _keys(file: Path) -> set[str]:
 # Recording
 
 
-def _selected(run: Callable[[runner.Emit], None], wanted: set[str]) -> Callable[[runner.Emit], None]:
-    return lambda emit: run(lambda name, t: emit(name, t) if name in wanted else None)
-
-
-def _capture(models: runner.Models, ckpt: Checkpoint, ids: torch.Tensor, points: list[str], dtype: str,
+def _capture(models: Models, ckpt: Checkpoint, ids: torch.Tensor, points: list[str], dtype: str,
              calibrate: bool, storage: torch.dtype) -> tuple[dict, dict]:
     """Run the reference (and its calibration twin); returns (stored tensors, per-point description)."""
     wanted = set(points)
-    ref = runner.Stream(_selected(runner.hf_runner(models, ckpt, torch.float32, ids), wanted), "reference")
-    other = torch.float64 if dtype == "float32" else runner.DTYPES[dtype]
-    noisy = (runner.Stream(_selected(runner.hf_runner(models, ckpt, other, ids, role="calibration"), wanted),
-                           "reference (calibration)") if calibrate else None)
+    ref = Stream(hf_runner(models, ckpt, torch.float32, ids, points=wanted), "reference")
+    other = torch.float64 if dtype == "float32" else DTYPES[dtype]
+    noisy = (Stream(hf_runner(models, ckpt, other, ids, role="calibration", points=wanted), "reference (calibration)")
+             if calibrate else None)
     # where the golden can feed isolated checks (it holds every layer's input), measure their noise too: the
     # noisy reference's layers fed the float32 reference's inputs, as an isolated check will be
-    input_of = runner.layer_inputs(ckpt.resolved.num_layers)
-    layer_inputs = runner.LayerInputs() if calibrate and set(input_of) <= wanted else None
-    isolated = (runner.Stream(_selected(runner.hf_runner(models, ckpt, other, ids, layer_inputs.feed,
-                                                         "calibration (isolated)"), wanted),
-                              "reference (isolated calibration)") if layer_inputs is not None else None)
+    input_of = layer_inputs(ckpt.resolved.num_layers)
+    fed = LayerInputs() if calibrate and set(input_of) <= wanted else None
+    isolated = (Stream(hf_runner(models, ckpt, other, ids, fed.feed, "calibration (isolated)", points=wanted),
+                       "reference (isolated calibration)") if fed is not None else None)
     tolerances = Tolerances(dtype)
     tensors, info = {}, {}
     try:
@@ -344,8 +383,8 @@ def _capture(models: runner.Models, ckpt: Checkpoint, ids: torch.Tensor, points:
             x = ref.get(name)
             if x is None:
                 raise ParityError(f"{ckpt.path}: the reference never produced {name}; fix the adapter's capture map")
-            if layer_inputs is not None and name in input_of:
-                layer_inputs.put(input_of[name], x)
+            if fed is not None and name in input_of:
+                fed.put(input_of[name], x)
             kept = x.to(storage).contiguous()
             if torch.isfinite(x).all() and not torch.isfinite(kept).all():
                 raise ParityError(f"{name} exceeds {str(storage).removeprefix('torch.')}'s range (max |x| "
@@ -359,8 +398,8 @@ def _capture(models: runner.Models, ckpt: Checkpoint, ids: torch.Tensor, points:
                 entry["noise_isolated"] = metrics(isolated.get(name), x)["rel_l2"]
             tensors[name], info[name] = kept, entry
     finally:
-        if layer_inputs is not None:
-            layer_inputs.close()
+        if fed is not None:
+            fed.close()
         for stream in (ref, noisy, isolated):
             if stream is not None:
                 stream.drain()
@@ -370,13 +409,16 @@ def _capture(models: runner.Models, ckpt: Checkpoint, ids: torch.Tensor, points:
 def record(reference: Path, out: Path, *, prompt: str | None = None, ids: list[int] | None = None,
            length: int | None = None, inputs_file: Path | None = None, dtype: str = "float32", points: str = "all",
            calibrate: bool = False, storage: str = "float32", force: bool = False, adapter_dirs=(),
-           progress: Callable[[str], None] | None = None) -> Golden:
-    """Run the reference checkpoint with transformers and store its capture points as a golden at ``out``."""
+           progress: Callable[[str], None] | None = None, decode: int = 0) -> Golden:
+    """Run the reference checkpoint with transformers and store its capture points as a golden at ``out``.
+    ``decode`` N also stores the first input's greedy continuation (N tokens) and each decode step's points (the
+    uncached forward at its position, ``decode.{point}`` [1, N, width]): an engine's decode path is then checked
+    against the golden (``check --decode N``) without transformers."""
     import transformers
 
     say = progress or (lambda message: None)
-    if dtype not in runner.DTYPES:
-        raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(runner.DTYPES)}")
+    if dtype not in DTYPES:
+        raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if storage not in STORAGE:
         raise ParityError(f"--storage {storage!r} is not one of {', '.join(STORAGE)}")
     if is_golden(Path(reference)):
@@ -385,7 +427,13 @@ def record(reference: Path, out: Path, *, prompt: str | None = None, ids: list[i
     if not ckpt.has_weights:
         raise ParityError(f"{reference}: no weights; give a Hugging Face checkpoint directory")
     selected = select_points(ckpt, points)
-    all_inputs = runner.select_inputs(ckpt, prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
+    if isinstance(decode, bool) or not isinstance(decode, int) or decode < 0:
+        raise ParityError(f"--decode must be a number of steps >= 0 (got {decode!r})")
+    if decode and not decodes(ckpt):
+        raise ParityError(f"--decode: a {ckpt.resolved.family} model is not a causal language model; drop --decode")
+    if decode and prompt is None and ids is None and length is None and inputs_file is None:
+        length = prompt_length(ckpt, decode)  # one that decoding takes across each sliding window
+    all_inputs = select_inputs(ckpt, prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
     say("hashing the checkpoint")
     description = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -398,15 +446,26 @@ def record(reference: Path, out: Path, *, prompt: str | None = None, ids: list[i
         "runs": [],
     }
     # a reference too big to hold whole (with its calibration twin) is read a layer at a time
-    models = runner.Models(stream=runner.would_not_fit(ckpt, Path(reference), None, dtype, calibrate, "cpu", "cpu"))
+    models = Models(stream=would_not_fit(ckpt, dtype, calibrate, "cpu"))
     with atomic.output_dir(Path(out), force=force) as tmp:
         for k, inputs in enumerate(all_inputs):
             say(f"running the reference on input {k + 1} of {len(all_inputs)}")
             tensors, info = _capture(models, ckpt, inputs.ids, selected, dtype, calibrate, STORAGE[storage])
+            run = {"source": inputs.source, "ids": inputs.ids[0].tolist(), "points": info}
+            tokens = None
+            if decode and k == 0:  # a check decodes its first input
+                say(f"decoding {decode} tokens")
+                tokens = greedy(models, ckpt, inputs.ids, decode)
+                steps = uncached_steps(models, ckpt, inputs.ids, tokens, set(selected))
+                run["decode"] = {"tokens": tokens, "points": {}}
+                for name in selected:
+                    kept = steps[name].to(STORAGE[storage]).contiguous()
+                    tensors[f"{dumps.DECODE}{name}"] = kept
+                    run["decode"]["points"][name] = {"shape": list(kept.shape),
+                                                     "storage_rel_l2": metrics(kept, steps[name])["rel_l2"]}
             file = "activations.safetensors" if k == 0 else f"activations.{k}.safetensors"
-            dumps.write_dump(tmp / file, tensors, inputs.ids)
-            description["runs"].append({"source": inputs.source, "ids": inputs.ids[0].tolist(), "file": file,
-                                        "points": info})
+            dumps.write_dump(tmp / file, tensors, inputs.ids, decode_tokens=tokens)
+            description["runs"].append({**run, "file": file})
         (tmp / DESCRIPTION).write_text(json.dumps(description, indent=1) + "\n")
     return open_golden(Path(out), adapter_dirs)
 
@@ -414,12 +473,3 @@ def record(reference: Path, out: Path, *, prompt: str | None = None, ids: list[i
 def size(path: Path) -> int:
     """Bytes on disk of a golden directory."""
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
-
-
-def verify(path: Path, reference: Path, *, adapter_dirs=(), progress: Callable[[str], None] | None = None):
-    """Re-run the live reference against the golden: a report whose failing points are drift."""
-    golden = open_golden(Path(path), adapter_dirs)
-    golden.match(Path(reference), adapter_dirs)  # drift against another checkpoint would mean nothing
-    # the golden holds the float32 reference: the live one, run the same way, is the candidate
-    return runner.check(Path(path), Path(reference), dtype="float32", layerwise=True, adapter_dirs=adapter_dirs,
-                        progress=progress)

@@ -24,6 +24,7 @@ from typing import Iterator, Mapping
 import torch
 
 from .errors import ParityError
+from .quantization import BlockFP8, dequantize, quantized_weights
 from .shards import Header, HeaderEntry, read_header
 
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -89,6 +90,35 @@ class TensorFiles:
         step = max(1, CHUNK_BYTES // (cols * torch.empty((), dtype=dtype).element_size()))
         for a in range(0, rows, step):
             yield a, self.read(name, a, a + step, dtype=dtype, device=device)
+
+
+class Dequantizer:
+    """Reads checkpoint tensors, dequantizing FP8 weights with their block scales (the scales are small: read
+    once, kept)."""
+
+    def __init__(self, files, quantization: BlockFP8 | None, scales: dict[str, str]):
+        self.files, self.quantization, self.scales = files, quantization, scales
+        self._scale: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, ckpt) -> "Dequantizer":
+        """A checkpoint's tensors by name, its FP8 weights dequantized on read (float32 unless asked)."""
+        files = TensorFiles({name: info.file for name, info in ckpt.tensors.items()})
+        return cls(files, ckpt.quantization, quantized_weights(ckpt.tensors) if ckpt.quantization else {})
+
+    def quantized(self, name: str) -> bool:
+        return self.quantization is not None and name in self.scales
+
+    def scale(self, name: str) -> torch.Tensor:
+        if name not in self._scale:
+            self._scale[name] = self.files.read(self.scales[name]).float()
+        return self._scale[name]
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        x = self.files.read(name)
+        if self.quantized(name):
+            return dequantize(x, self.scale(name), self.quantization.block, dtype or torch.float32)
+        return x if dtype is None else x.to(dtype)
 
 
 def _numel(shape) -> int:
@@ -210,8 +240,6 @@ class _Loader:
     def __init__(self, model, ckpt, dtype: torch.dtype, device: str):
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
-
-        from .quantization import Dequantizer
 
         self.model, self.ckpt, self.dtype, self.device = model, ckpt, dtype, device
         self.deq = Dequantizer.of(ckpt)  # FP8 block-quantized weights are loaded dequantized; their scales unused

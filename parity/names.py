@@ -130,3 +130,17 @@ _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 def placeholders(template: str) -> set[str]:
     return set(_PLACEHOLDER.findall(template))
+
+
+def compared_points(ckpt, layerwise: bool, isolate: bool = False) -> list[str]:
+    """The points a check compares: every one (--layerwise), else the final output; an isolated check also
+    compares what each layer hands on (embed, layers.{i}.out), since fed the reference's inputs, a layer whose
+    own output is not compared would not be tested at all."""
+    points = [c.name for c in ckpt.resolved.capture]
+    final = "logits" if "logits" in points else ("final_norm" if "final_norm" in points else points[-1])
+    if layerwise:
+        return points
+    if isolate:
+        stream = {"embed", final, *(f"layers.{i}.out" for i in range(ckpt.resolved.num_layers))}
+        return [p for p in points if p in stream]
+    return [final]

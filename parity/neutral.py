@@ -20,10 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import safe_open
 
 from . import __version__, atomic, names
-from .adapter import Resolved, ResolvedNorm, ResolvedTensor
+from .adapter import Resolved, ResolvedNorm, ResolvedTensor, rope_settings
 from .checkpoint import Checkpoint, open_checkpoint, plain_file_name, stored_tensor_map
 from .errors import ParityError
-from .quantization import Dequantizer, dequantize, quantized_weights, rounding_error
+from .lazy import Dequantizer
+from .quantization import dequantize, quantized_weights, rounding_error
 from .shards import Header, PlannedTensor, Sha256, ShardWriter, plan, read_header, sha256_file
 
 FORMAT = "parity-neutral"
@@ -56,21 +57,6 @@ def _norm(r: Resolved, n: ResolvedNorm | None) -> dict | None:
         "upcast": r["norm.upcast"],
         "weight_dtype": r["norm.weight_dtype"],  # "float32": y * w in float32, then cast; "model": cast, then * w
         "folded_offset": n.weight == "one_plus_weight",  # stored as 1 + w: apply as a plain weight
-    }
-
-
-def rope_settings(r: Resolved, i: int, style: str) -> dict | None:
-    """Layer i's RoPE as the manifest states it (None without RoPE)."""
-    if r["positions.kind"] != "rope":
-        return None
-    return {
-        "theta": r.layer("positions.rope_theta", i),
-        "style": style,
-        "rotary_dim": r.layer("positions.rotary_dim", i),
-        "head_dim": r.layer("attention.qk_rope_head_dim", i) or r.layer("attention.head_dim", i),
-        "scaling": r.layer("positions.rope_scaling", i),
-        "max_positions": r["positions.max_positions"],
-        "compute_dtype": r["positions.rope_dtype"],  # "model", or "float32": rotate upcast, cast back
     }
 
 
@@ -505,7 +491,7 @@ _Count = Annotated[int, Field(ge=0)]
 _Num = Annotated[float, Field(allow_inf_nan=False)]
 _PosNum = Annotated[float, Field(allow_inf_nan=False, gt=0)]
 _NonNegNum = Annotated[float, Field(allow_inf_nan=False, ge=0)]
-_Activation = Literal["gelu_exact", "gelu_tanh", "silu", "relu"]  # executor.model.ACTIVATIONS
+_Activation = Literal["gelu_exact", "gelu_tanh", "silu", "relu"]  # executor.ops.ACTIVATIONS
 STORED_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}  # name -> safetensors'
 
 

@@ -107,34 +107,3 @@ def quantized_weights(tensors: dict[str, Any]) -> dict[str, str]:
     """{weight name: its scale's name} for every FP8 weight (TensorInfo.dtype) stored with a block scale beside it."""
     return {name: scale_name(name) for name, info in tensors.items()
             if info.dtype in FP8_DTYPES and scale_name(name) in tensors}
-
-
-class Dequantizer:
-    """Reads checkpoint tensors, dequantizing FP8 weights with their block scales (the scales are small: read
-    once, kept)."""
-
-    def __init__(self, files, quantization: BlockFP8 | None, scales: dict[str, str]):
-        self.files, self.quantization, self.scales = files, quantization, scales
-        self._scale: dict[str, torch.Tensor] = {}
-
-    @classmethod
-    def of(cls, ckpt) -> "Dequantizer":
-        """A checkpoint's tensors by name, its FP8 weights dequantized on read (float32 unless asked)."""
-        from .lazy import TensorFiles
-
-        files = TensorFiles({name: info.file for name, info in ckpt.tensors.items()})
-        return cls(files, ckpt.quantization, quantized_weights(ckpt.tensors) if ckpt.quantization else {})
-
-    def quantized(self, name: str) -> bool:
-        return self.quantization is not None and name in self.scales
-
-    def scale(self, name: str) -> torch.Tensor:
-        if name not in self._scale:
-            self._scale[name] = self.files.read(self.scales[name]).float()
-        return self._scale[name]
-
-    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        x = self.files.read(name)
-        if self.quantized(name):
-            return dequantize(x, self.scale(name), self.quantization.block, dtype or torch.float32)
-        return x if dtype is None else x.to(dtype)

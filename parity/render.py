@@ -121,7 +121,12 @@ def verdict(report: Report) -> str:
     if first is None:
         return "FAIL: no capture point was compared"
     needed = _needed(first)
-    return f"FAIL at {first.name}: {_why(first)}" + (f"; smallest passing tolerance {needed}" if needed else "")
+    return f"FAIL at {_label(first)}: {_why(first)}" + (f"; smallest passing tolerance {needed}" if needed else "")
+
+
+def _label(p: PointResult) -> str:
+    """A point's name, with its decode step when it is one."""
+    return p.name if p.step is None else f"step {p.step} {p.name}"
 
 
 def _bar(ratio: float, width: int = 10, lo: float = -3.0, hi: float = 2.0) -> tuple[str, int]:
@@ -148,11 +153,22 @@ def _group(name: str) -> str:
 def _rows(report: Report, per_layer: bool = False) -> list[tuple[PointResult, str, str]]:
     """(point, label, status) per row: every point, or per layer its worst point by rel_l2 / tolerance
     (uncompared points are listed apart, under "not compared")."""
-    if not per_layer:
-        return [(p, p.name, _status(p)) for p in report.points]
+    prefill = [p for p in report.points if p.step is None]
+    rows = _worst_of(_grouped(prefill, _group)) if per_layer else [(p, p.name, _status(p)) for p in prefill]
+    # decode steps: one row per step, its worst point
+    return rows + _worst_of(_grouped([p for p in report.points if p.step is not None], lambda n: None))
+
+
+def _grouped(points: list[PointResult], key) -> dict[str, list[PointResult]]:
     groups: dict[str, list[PointResult]] = {}
-    for p in report.points:
-        groups.setdefault(_group(p.name), []).append(p)
+    for p in points:
+        label = key(p.name) if p.step is None else f"step {p.step}"
+        groups.setdefault(label, []).append(p)
+    return groups
+
+
+def _worst_of(groups: dict[str, list[PointResult]]) -> list[tuple[PointResult, str, str]]:
+    """Per group, its worst point by rel_l2 / tolerance, and how many of its points fail."""
     rows = []
     for name, points in groups.items():
         compared = [p for p in points if p.compared]
@@ -161,7 +177,7 @@ def _rows(report: Report, per_layer: bool = False) -> list[tuple[PointResult, st
             continue
         worst = max(compared, key=lambda p: (not p.passed, _ratio(p)))
         fails = sum(not p.passed for p in compared)
-        label = name if worst.name == name else f"{name} ({worst.name.removeprefix(name + '.')})"
+        label = name if worst.name == name else f"{name} ({worst.name.removeprefix(name + '.')})"  # layers.3 (mid)
         rows.append((worst, label, f"FAIL {fails}/{len(compared)}" if fails else "pass"))
     return rows
 
@@ -191,7 +207,14 @@ def _title(report: Report) -> str:
 def _extras(report: Report) -> list[tuple[str, list[str]]]:
     """Sections after the table: (heading, lines)."""
     out = []
-    skipped = [p.name for p in report.points if not p.compared]
+    skipped = [p.name for p in report.points if not p.compared and p.step is None]
+    by_point: dict[str, list[int]] = {}
+    for p in report.points:
+        if not p.compared and p.step is not None:
+            by_point.setdefault(p.name, []).append(p.step)
+    steps = (report.decode or {}).get("steps")
+    skipped += [f"{name} at {'every decode step' if len(s) == steps else 'decode steps ' + ', '.join(map(str, s))}"
+                for name, s in by_point.items()]
     if skipped:
         out.append(("not compared", [", ".join(skipped)]))
     if report.logits:
@@ -206,6 +229,9 @@ def _extras(report: Report) -> list[tuple[str, list[str]]]:
             if role == "reference":
                 quantized.append(f"reference: {what}, dequantized to {q.get('dequantized_to')} by "
                                  f"{q.get('dequantized_by')}")
+            elif "types" in q:  # a GGUF file's matrices, calibrated to what they cost
+                types = ", ".join(f"{n} {k}" for k, n in q["types"].items())
+                quantized.append(f"candidate: tensors {types}; noise: {q.get('noise', 'not measured')}")
             else:
                 worst = f" ({q['worst']})" if q.get("worst") else ""
                 quantized.append(f"candidate: {what}, {q.get('dequantized')} weights dequantized to {q.get('dtype')}: "
@@ -213,6 +239,8 @@ def _extras(report: Report) -> list[tuple[str, list[str]]]:
                                  f"mean {_num(q.get('rel_l2_mean', 0))}")
     if quantized:
         out.append(("quantization", quantized))
+    if report.decode:
+        out.append(("decode", _decode_lines(report.decode)))
     if report.diagnosis:
         out.append(("diagnosis", [f"{d.get('bug', 'unknown')} (confidence {_num(d.get('confidence', 0))}): "
                                   f"{d.get('evidence', '')}" for d in report.diagnosis]))
@@ -291,11 +319,31 @@ svg text { font: 11px sans-serif; fill: #333; }
 """
 
 
-def _svg(report: Report, width: int = 960, height: int = 380) -> str:
-    """Error versus depth: rel_l2, tolerance and noise floor per point on a log10 axis."""
+def _decode_lines(d: dict) -> list[str]:
+    """The decode section: what was decoded, what it crossed, the logits over the steps, where it diverged."""
+    crossed = [f"{c['what']} ({c['at']} tokens): {c['crossed'] or 'not reached'}" for c in d.get("crossed", [])]
+    lines = [f"prompt of {d['prompt_length']} tokens, then {d['steps']} steps with the candidate's own cache, fed the "
+             f"reference's greedy tokens", "crossed: " + "; ".join(crossed)]
+    if d.get("kl_max") is not None:
+        lines.append(f"logits over the steps: kl_max {_num(d['kl_max'])} · top1_agreement {_num(d['top1_agreement'])}")
+    first = d.get("first_divergence")
+    lines.append("every step within tolerance" if first is None else
+                 f"first divergence at step {first['step']} (position {first['position']}): {first['point']}, "
+                 f"rel_l2 {_e(first['rel_l2'])}")
+    return lines
+
+
+def _svg(report: Report, width: int = 960, height: int = 380, steps: bool = False) -> str:
+    """Error versus depth (the prefill's points), or with ``steps`` error versus decode step (each step's worst
+    point): rel_l2, tolerance and noise floor on a log10 axis."""
     left, right, top, bottom = 60, 20, 48, 90
     pw, ph = width - left - right, height - top - bottom
-    points = report.points
+    if steps:
+        points = [p for p, _, _ in _worst_of(_grouped([p for p in report.points if p.step is not None], None))]
+        group = lambda p: f"step {p.step}"  # noqa: E731
+    else:
+        points = [p for p in report.points if p.step is None]
+        group = lambda p: _group(p.name)  # noqa: E731
     n = max(len(points), 1)
     values = [v for p in points if p.compared for v in (p.rel_l2, p.tolerance.rel_l2, p.noise)
               if v is not None and math.isfinite(v) and v > 0]
@@ -313,7 +361,7 @@ def _svg(report: Report, width: int = 960, height: int = 380) -> str:
         return top + (hi - min(max(math.log10(v), lo), hi)) / (hi - lo) * ph
 
     out = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
-           f'aria-label="error versus depth">',
+           f'aria-label="error versus {"decode step" if steps else "depth"}">',
            f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#ccc"/>']
     step = math.ceil((hi - lo) / 10)
     for k in range(lo, hi + 1, step):
@@ -323,13 +371,13 @@ def _svg(report: Report, width: int = 960, height: int = 380) -> str:
                    f'font-size="9">{k}</tspan></text>')
     out.append(f'<text x="14" y="{top + ph / 2:.1f}" text-anchor="middle" '
                f'transform="rotate(-90 14 {top + ph / 2:.1f})">rel_l2 (log scale)</text>')
-    groups = [(i, _group(p.name)) for i, p in enumerate(points)
-              if i == 0 or _group(p.name) != _group(points[i - 1].name)]
+    groups = [(i, group(p)) for i, p in enumerate(points) if i == 0 or group(p) != group(points[i - 1])]
     for i, name in groups[::math.ceil(len(groups) / 30) or 1]:  # a tick per layer, at most 30 labels
         out.append(f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>')
         out.append(f'<text x="{x(i):.1f}" y="{top + ph + 14}" text-anchor="end" '
                    f'transform="rotate(-45 {x(i):.1f} {top + ph + 14})">{escape(name)}</text>')
-    out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle">capture point (forward order)</text>')
+    axis = "decode step (its worst point)" if steps else "capture point (forward order)"
+    out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle">{axis}</text>')
 
     def line(values: list[tuple[int, float | None]], color: str, dash: str = "") -> None:
         coords = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in values if v is not None)
@@ -347,9 +395,9 @@ def _svg(report: Report, width: int = 960, height: int = 380) -> str:
     for i, p in enumerate(points):
         cls, fill, stroke = (("skip", "white", GREY) if not p.compared else
                              ("pass", GREEN, GREEN) if p.passed else ("fail", RED, RED))
-        tip = f"{p.name}: {_status(p)}" + (f", rel_l2 {_e(p.rel_l2)}, tolerance {_e(p.tolerance.rel_l2)}"
+        tip = f"{_label(p)}: {_status(p)}" + (f", rel_l2 {_e(p.rel_l2)}, tolerance {_e(p.tolerance.rel_l2)}"
                                            if p.compared else "") + (f", {p.nonfinite}" if p.nonfinite else "")
-        out.append(f'<circle class="marker {cls}" data-point="{escape(p.name)}" cx="{x(i):.1f}" '
+        out.append(f'<circle class="marker {cls}" data-point="{escape(_label(p))}" cx="{x(i):.1f}" '
                    f'cy="{y(p.rel_l2 if p.compared else None):.1f}" r="{radius:.1f}" fill="{fill}" stroke="{stroke}">'
                    f'<title>{escape(tip)}</title></circle>')
         if p.compared and not math.isfinite(p.rel_l2) and (i == 0 or math.isfinite(points[i - 1].rel_l2)):
@@ -357,13 +405,13 @@ def _svg(report: Report, width: int = 960, height: int = 380) -> str:
             word = (p.nonfinite or str(p.rel_l2)).split()[0]
             out.append(f'<text x="{x(i):.1f}" y="{top - 4}" text-anchor="middle" style="fill: {RED}">'
                        f'{escape(word)}</text>')
-        if p is first:
+        if first is not None and (p.step == first.step if steps else p is first):
             anchor = "start" if i < n / 2 else "end"
             dx = 8 if anchor == "start" else -8
             out.append(f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top}" y2="{top + ph}" stroke="{RED}" '
                        f'stroke-dasharray="3 3"/>')
             out.append(f'<text class="first-divergence" x="{x(i) + dx:.1f}" y="{top + 14}" text-anchor="{anchor}" '
-                       f'style="fill: {RED}">first divergence: {escape(p.name)}</text>')
+                       f'style="fill: {RED}">first divergence: {escape(_label(first))}</text>')
     legend = [("rel_l2", "#1f77b4", ""), ("tolerance", "#ff7f0e", "6 3")]
     legend += [("noise floor", GREY, "2 3")] if _calibrated(report) else []
     for k, (label, color, dash) in enumerate(legend):
@@ -393,6 +441,7 @@ def html(report: Report) -> str:
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f"<style>{CSS}</style></head>\n<body>\n<h1>{title}</h1>\n"
             f'<p class="verdict {status_cls}">{escape(verdict(report))}</p>\n{_svg(report)}\n'
+            f'{_svg(report, steps=True) if report.decode else ""}\n'
             f"<table><thead><tr>{headers}</tr></thead><tbody>\n" + "\n".join(rows) +
             f"\n</tbody></table>\n{extras}\n</body></html>\n")
 
@@ -409,7 +458,7 @@ def junit(report: Report) -> str:
     root = ET.Element("testsuites", name="parity", **counts)
     suite = ET.SubElement(root, "testsuite", name=classname, **counts)
     for p in report.points:
-        case = ET.SubElement(suite, "testcase", classname=classname, name=p.name, time="0")
+        case = ET.SubElement(suite, "testcase", classname=classname, name=_label(p), time="0")
         if not p.compared:
             ET.SubElement(case, "skipped", message="not compared: the candidate did not provide this point")
         elif not p.passed:

@@ -32,6 +32,7 @@ class PointResult:
     compared: bool = True                # False: the candidate did not provide this point
     reference_norm: float = 0.0
     run: int = 0                         # which input (--inputs) this result comes from: each point keeps its worst
+    step: int | None = None              # --decode: the decode step (1..N) this result is for; None: the prefill
 
     @property
     def needed(self) -> dict:
@@ -47,7 +48,7 @@ class PointResult:
             "name": self.name, "max_abs": self.max_abs, "mean_abs": self.mean_abs, "rel_l2": self.rel_l2,
             "cosine": self.cosine, "tolerance": asdict(self.tolerance), "passed": self.passed,
             "noise": self.noise, "noise_ratio": self.noise_ratio, "nonfinite": self.nonfinite,
-            "compared": self.compared, "needed": self.needed, "run": self.run,
+            "compared": self.compared, "needed": self.needed, "run": self.run, "step": self.step,
         }
         return out
 
@@ -73,6 +74,8 @@ class Report:
     generation: dict | None = None
     # --layers A:B: the slice checked, {"start", "stop", "of"}; None for the whole model
     layers: dict | None = None
+    # --decode N: the prompt, the tokens fed, what decoding crossed, each step's worst point (parity.decode)
+    decode: dict | None = None
 
     @property
     def failing(self) -> list[PointResult]:
@@ -110,7 +113,7 @@ class Report:
             "first_divergence": None if first is None else {
                 "point": first.name, "rel_l2": first.rel_l2, "cosine": first.cosine, "max_abs": first.max_abs,
                 "tolerance": asdict(first.tolerance), "noise": first.noise, "noise_ratio": first.noise_ratio,
-                "nonfinite": first.nonfinite, "run": first.run,
+                "nonfinite": first.nonfinite, "run": first.run, "step": first.step,
             },
             "diagnosis": self.diagnosis,
             "logits": self.logits,
@@ -119,6 +122,7 @@ class Report:
             "matching": self.matching,
             "generation": self.generation,
             "layers": self.layers,
+            "decode": self.decode,
         }
 
     @classmethod
@@ -152,7 +156,8 @@ class Report:
                        warnings=[_typed(w, str, "a warning") for w in _typed(data.get("warnings") or [], list,
                                                                              "warnings")],
                        matching=_typed(data.get("matching"), (dict, type(None)), "matching"),
-                       generation=_typed(data.get("generation"), (dict, type(None)), "generation"), layers=layers)
+                       generation=_typed(data.get("generation"), (dict, type(None)), "generation"), layers=layers,
+                       decode=_typed(data.get("decode"), (dict, type(None)), "decode"))
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ParityError(f"{source}: a parity report with a missing or malformed field "
                               f"({str(exc)[:120]!r}); {fix}") from None
@@ -187,7 +192,8 @@ def _point(p: dict) -> PointResult:
                        noise=None if p.get("noise") is None else _float(p["noise"]),
                        nonfinite=_typed(p.get("nonfinite"), (str, type(None)), "nonfinite"),
                        compared=_typed(p.get("compared", True), bool, "compared"),
-                       run=_typed(p.get("run", 0), int, "run"))
+                       run=_typed(p.get("run", 0), int, "run"),
+                       step=_typed(p.get("step"), (int, type(None)), "step"))
 
 
 def merge_slices(reports: list[tuple[str, Report]]) -> Report:

@@ -1,8 +1,9 @@
 """``parity check``: run the reference and a candidate side by side and compare them point by point.
 
-The reference is a Hugging Face checkpoint run with transformers (eager attention), its capture
-points read by hooks that the adapter's capture map places. The candidate is a neutral directory
-(run with parity's executor) or another Hugging Face checkpoint. The reference runs in a
+The reference (parity.references) is a Hugging Face checkpoint run with transformers (eager attention), its
+capture points read by hooks that the adapter's capture map places, or a golden that stored them. The
+candidate is any kind of parity.candidates: a neutral directory (run with parity's executor), another
+Hugging Face checkpoint, an ONNX graph, a GGUF file run by llama.cpp, an engine's dump. The reference runs in a
 background thread and hands each point over as it is produced; the candidate, in this thread,
 compares each of its points as it comes and drops both, so memory holds about one layer of
 activations beyond the models.
@@ -15,10 +16,6 @@ noise, and sets tolerances to a multiple of it.
 
 from __future__ import annotations
 
-import gc
-import json
-import queue
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -26,442 +23,48 @@ from typing import Callable
 import torch
 
 from . import candidates, names
-from .checkpoint import Checkpoint, inventory, open_checkpoint, weight_files
+from .checkpoint import Checkpoint, open_checkpoint
 from .compare import Tolerances, judge, logit_metrics, metrics
 from .errors import ParityError
-from .lengths import default_length, exercised
+from .inputs import check_length
+from .lengths import exercised
+from .models import (DTYPES, LayerInputs, Models, Stream, _first_device, _memory, device_count, hf_runner,
+                     layer_inputs, resolve_device, would_not_fit)
+from .references import open_reference
 from .report import PointResult, Report
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-Emit = Callable[[str, torch.Tensor], None]
-Feed = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index, its input) -> the input to use
 
 
-# --------------------------------------------------------------------------------------------
-# Models as streams of capture points
-
-
-class _Done:
-    pass
-
-
-class Stream:
-    """A model run in a background thread; ``get(name)`` waits for that capture point."""
-
-    def __init__(self, run: Callable[[Emit], None], label: str, bound: int = 4):
-        self.label = label
-        self.items: queue.Queue = queue.Queue(maxsize=bound)  # 0: unbounded, the model runs ahead
-        self.buffer: dict[str, torch.Tensor] = {}
-        self.finished = False
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, args=(run,), daemon=True)
-        self.thread.start()
-
-    def _main(self, run: Callable[[Emit], None]) -> None:
-        try:
-            with torch.no_grad():
-                run(lambda name, t: self.items.put((name, t.detach())))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer's thread
-            self.error = exc
-        finally:
-            self.items.put(_Done)
-
-    def get(self, name: str) -> torch.Tensor | None:
-        while name not in self.buffer and not self.finished:
-            item = self.items.get()
-            if item is _Done:
-                self.finished = True
-                if self.error is not None:
-                    raise self.error
-                break
-            self.buffer[item[0]] = item[1]
-        return self.buffer.pop(name, None)
-
-    def drain(self) -> None:
-        while not self.finished:
-            self.get("\0")
-        self.buffer.clear()
-
-
-# --------------------------------------------------------------------------------------------
-# Reference and candidates
-
-
-def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device: str = "cpu"):
-    """transformers' model for the checkpoint: whole (``from_pretrained``), or streamed a layer at a time
-    (parity.lazy). ``device`` "auto" with several GPUs spreads a whole model over them (accelerate's
-    device_map)."""
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    architecture = ckpt.variant.architectures[0]
-    cls = getattr(transformers, architecture, None)
-    if cls is None:
-        raise ParityError(f"{ckpt.path}: transformers {transformers.__version__} has no {architecture}; upgrade "
-                          f"transformers or use a checkpoint of a family it supports")
-    # grouped-matmul expert kernels have no float64 version; the plain loop computes the same thing
-    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    try:
-        if stream:
-            from .lazy import streamed_hf
-
-            return streamed_hf(cls, ckpt, dtype, device, **extra)
-        place = {} if device == "cpu" else {"device_map": device}
-        return cls.from_pretrained(ckpt.path, attn_implementation="eager", dtype=dtype, **place, **extra).eval()
-    except (MemoryError, ParityError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a damaged checkpoint
-        text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-        if "allocate" in text:  # the CPU allocator's out-of-memory error: the CLI says so
-            raise
-        raise ParityError(f"{ckpt.path}: transformers could not load it as {architecture} ({type(exc).__name__}: "
-                          f"{text[:200]}); check that its config and weights belong together") from None
-
-
-def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
-    """Pre-hooks that replace each layer's input (and the head's) by ``feed(i, input)``."""
-    from .capture import _input_value
-
-    r = ckpt.resolved
-    by_name = {c.name: c for c in r.capture}
-    targets = [(i, by_name[f"layers.{i}.out"].module) for i in range(r.num_layers)]
-    after = next((by_name[n] for n in ("final_norm", "logits") if n in by_name), None)
-    if after is not None:
-        targets.append((r.num_layers, after.module))
-    handles = []
-    for i, path in targets:
-        module = model.get_submodule(path)
-
-        def pre(mod, args, kwargs, i=i):
-            x = _input_value(mod, 0, args, kwargs)
-            new = feed(i, x)
-            if args:
-                return (new, *args[1:]), kwargs
-            key = next(iter(kwargs))
-            return args, {**kwargs, key: new}
-
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-    return handles
-
-
-# --------------------------------------------------------------------------------------------
-# Devices and memory
-
-
-def device_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_device(spec: str) -> str:
-    """'cpu', 'cuda', 'cuda:N', 'mps' or 'auto' (every GPU there is, else the CPU), checked against this machine."""
-    spec = (spec or "cpu").strip().lower()
-    if spec == "auto":
-        if device_count():
-            return "auto" if device_count() > 1 else "cuda:0"
-        mps = getattr(torch.backends, "mps", None)
-        return "mps" if mps is not None and mps.is_available() else "cpu"
-    if spec == "cpu":
-        return spec
-    kind, _, index = spec.partition(":")
-    if kind == "cuda":
-        if not device_count():
-            raise ParityError(f"--device {spec}: this machine has no CUDA GPU visible to torch "
-                              f"({torch.__version__}); use --device cpu")
-        n = int(index) if index.isdigit() else 0 if not index else -1
-        if not 0 <= n < device_count():
-            raise ParityError(f"--device {spec}: expected cuda or cuda:N with N in 0..{device_count() - 1}")
-        return f"cuda:{n}"
-    if kind == "mps" and not index:
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise ParityError(f"--device mps: this machine has no MPS device; use --device cpu")
-        return "mps"
-    raise ParityError(f"--device {spec!r} is not one of cpu, cuda, cuda:N, mps, auto")
-
-
-def _memory(device: str) -> int | None:
-    """Bytes free where a model would be placed: MemAvailable for the CPU, free memory of the GPU(s)."""
-    if device == "cpu" or device == "mps":
-        return _available_memory()
-    if device == "auto":
-        return sum(torch.cuda.mem_get_info(i)[0] for i in range(device_count()))
-    return torch.cuda.mem_get_info(torch.device(device))[0]
-
-
-def _elements(shapes) -> int:
-    n = 0
-    for shape in shapes:
-        k = 1
-        for s in shape:
-            k *= s
-        n += k
-    return n
-
-
-def would_not_fit(ckpt: Checkpoint, candidate: Path, kind: str, dtype: str, calibrate: bool, device: str,
-                  candidate_device: str) -> bool:
-    """Whether the models of a check, held whole, would take more than 80% of the memory free for them: the
-    float32 reference, the candidate at its dtype (when parity runs it: ``kind`` neutral or transformers) and
-    the calibration reference."""
-    params = _elements(info.shape for info in ckpt.tensors.values())
-    need = {device: params * 4}
-    if calibrate:
-        need[device] += params * (8 if dtype == "float32" else DTYPES[dtype].itemsize)
-    if kind in ("neutral", "transformers"):
-        from .neutral import read_manifest
-
-        shapes = ([info["shape"] for info in read_manifest(candidate)["tensors"].values()] if kind == "neutral"
-                  else [info.shape for info in inventory(weight_files(candidate)).values()])
-        count = _elements(shapes)
-        need[candidate_device] = need.get(candidate_device, 0) + count * DTYPES[dtype].itemsize
-    for where, nbytes in need.items():
-        free = _memory(where)
-        if free is not None and nbytes > 0.8 * free:
-            return True
-    return False
-
-
-class Models:
-    """Loaded models, reused across the prompts of one check."""
-
-    def __init__(self, adapter_dirs=(), *, stream: bool = False, device: str = "cpu", candidate_device: str = "cpu"):
-        self.adapter_dirs = tuple(adapter_dirs)  # --adapters: every checkpoint of the check is read with them
-        self.stream = stream                     # weights read a layer at a time (parity.lazy)
-        self.device = {"reference": device, "calibration": device, "calibration (isolated)": device,
-                       "candidate": candidate_device}
-        self.loaded: dict = {}
-        self.options: dict = {}  # candidate options from check() (ONNX: provider, map, layerwise)
-        self.notes: dict = {}    # what a candidate runner reports back: "matching", "warnings"
-
-    def hf(self, ckpt: Checkpoint, dtype: torch.dtype, role: str = "reference"):
-        # one instance per role: the reference runs in another thread with its own hooks, so a
-        # candidate that is the same checkpoint must not share its modules
-        key = ("hf", str(ckpt.path), dtype, role)
-        if key not in self.loaded:
-            self.loaded[key] = _load_hf(ckpt, dtype, self.stream, self.device.get(role, self.device["reference"]))
-        return self.loaded[key]
-
-    def release(self, role: str) -> None:
-        """Drop the transformers model of ``role``: a later use loads it again."""
-        for key in [k for k in self.loaded if k[0] == "hf" and k[3] == role]:
-            del self.loaded[key]
-        gc.collect()
-
-    def neutral(self, path: Path, dtype: torch.dtype, inject: str | None = None):
-        from . import bugs
-        from .executor.model import NeutralModel
-        from .neutral import load
-
-        key = ("neutral", str(path), dtype, inject)
-        if key not in self.loaded:
-            # an injected mistake rewrites tensors, so that candidate is held whole
-            manifest, tensors = load(path, lazy=self.stream and not inject)
-            if inject:  # the executor runs the mistake exactly as a port would
-                manifest, tensors = bugs.inject(inject, manifest, tensors, bugs.families())
-            self.loaded[key] = NeutralModel(manifest, tensors, dtype, self.device["candidate"])
-        return self.loaded[key]
-
-
-def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
-              role: str = "reference", points: set[str] | None = None, on_layer: Callable[[int], None] | None = None,
-              last: int | None = None):
-    """A function that runs a transformers checkpoint and emits its capture points (only ``points``, when
-    given: nothing else is hooked, so nothing else is held). ``on_layer(i)`` is told when layer i is done;
-    with ``last``, the forward stops after that layer (a slice of a check needs nothing beyond it)."""
-    model = models.hf(ckpt, dtype, role)
-    capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
-    layer_paths = {c.name: c.module for c in ckpt.resolved.capture}
-    device = models.device.get(role, models.device["reference"])
-
-    def run(emit: Emit) -> None:
-        from .capture import hooks
-
-        # capture hooks first: a layer's input is reported as computed, then replaced when isolating
-        with hooks(model, capture, emit), torch.no_grad():
-            handles = _isolation_hooks(model, ckpt, feed) if feed is not None else []
-            if on_layer is not None:
-                for i in range(ckpt.resolved.num_layers):
-                    module = model.get_submodule(layer_paths[f"layers.{i}.out"])
-                    handles.append(module.register_forward_hook(lambda *_, i=i: on_layer(i)))
-            if last is not None:
-                module = model.get_submodule(layer_paths[f"layers.{last}.out"])
-                handles.append(module.register_forward_hook(_stop))
-            try:
-                model(input_ids=ids.to(_first_device(model, device)))
-            except _Enough:
-                pass
-            finally:
-                for h in handles:
-                    h.remove()
-
-    return run
-
-
-class _Enough(Exception):
-    """Raised after the last layer a slice needs: the rest of the forward is not run."""
-
-
-def _stop(*_) -> None:
-    raise _Enough
-
-
-def _first_device(model, device: str) -> torch.device:
-    """Where a model's inputs go: its embedding's device when spread over several (device_map)."""
-    if device != "auto":
-        return torch.device(device)
-    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
-
-
-def neutral_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
-                   inject: str | None = None, layers: range | None = None):
-    model = models.neutral(path, dtype, inject)
-
-    def run(emit: Emit) -> None:
-        model(ids, on_point=emit, feed=feed, layers=layers)
-
-    return run
-
-
-def only(run: Callable[[Emit], None], names: set[str]) -> Callable[[Emit], None]:
-    """The run, emitting only ``names``: nothing else is queued or held."""
-    return lambda emit: run(lambda name, t: emit(name, t) if name in names else None)
+def candidate_kind(path: Path) -> str:
+    """A candidate's kind: the first of parity.candidates' kinds that takes the path."""
+    found = candidates.detect(Path(path))
+    if found is not None:
+        return found
+    if not Path(path).exists():
+        raise ParityError(f"--candidate {path}: no such file or directory")
+    raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json), a Hugging Face checkpoint "
+                      f"(config.json), an ONNX graph, a GGUF file or an engine dump (the kinds: "
+                      f"{', '.join(candidates.kinds())})")
 
 
 def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.dtype = torch.float32,
                   device: str = "cpu", adapter_dirs=()) -> torch.Tensor:
     """One forward of a Hugging Face checkpoint (transformers) or a neutral directory (parity's executor), with
-    no capture or comparison: the yardstick a check's cost is measured against (bench/check.py)."""
+    no comparison: the yardstick a check's cost is measured against (bench/check.py)."""
     models = Models(adapter_dirs, stream=stream, device=device, candidate_device=device)
+    kind = candidate_kind(Path(path))
     with torch.no_grad():
-        if candidate_kind(Path(path)) == "neutral":
-            return models.neutral(Path(path), dtype)(ids)
-        ckpt = open_checkpoint(Path(path), adapter_dirs)
-        model = models.hf(ckpt, dtype)
-        out = model(input_ids=ids.to(_first_device(model, device)))
-        return out.logits if getattr(out, "logits", None) is not None else out[0]
+        if kind == "transformers":  # no hooks at all
+            model = models.hf(open_checkpoint(Path(path), adapter_dirs), dtype)
+            out = model(input_ids=ids.to(_first_device(model, device)))
+            return out.logits if getattr(out, "logits", None) is not None else out[0]
+        last: dict[str, torch.Tensor] = {}
 
+        def keep(name: str, t: torch.Tensor) -> None:  # the last point a model emits is its output
+            last["out"] = t
 
-def candidate_kind(path: Path) -> str:
-    """A candidate's kind: one of parity.candidates' kinds, else a neutral directory or a Hugging Face checkpoint."""
-    path = Path(path)
-    found = candidates.detect(path)
-    if found is not None:
-        return found
-    if (path / "manifest.json").exists():
-        return "neutral"
-    if (path / "config.json").exists():
-        return "transformers"
-    if not path.exists():
-        raise ParityError(f"--candidate {path}: no such file or directory")
-    raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json), a Hugging Face checkpoint "
-                      f"(config.json){''.join(', or ' + k for k in candidates.kinds())}")
-
-
-# --------------------------------------------------------------------------------------------
-# Inputs
-
-
-@dataclass
-class Inputs:
-    ids: torch.Tensor          # [1, S]
-    source: str
-
-
-def make_inputs(ckpt: Checkpoint, *, prompt: str | None = None, ids: list[int] | None = None,
-                length: int | None = None) -> Inputs:
-    vocab = next(t.shape[0] for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))
-    given = [x is not None for x in (prompt, ids, length)]
-    if sum(given) > 1:
-        raise ParityError("give at most one of --prompt, --ids, --inputs, --length")
-    if prompt is not None:
-        token_ids = _tokenize(ckpt, prompt)
-        source = f"prompt {prompt!r}"
-    elif ids is not None:
-        token_ids, source = list(ids), "ids"
-    else:
-        n = default_length(ckpt) if length is None else length
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ParityError(f"--length must be at least 1 (got {n}); leave it out for the default prompt")
-        check_length(ckpt, n)
-        # a deterministic spread of ids, away from the few special tokens at the start of most vocabularies
-        token_ids = [3 + (7919 * k + 17) % max(vocab - 3, 1) for k in range(n)]
-        source = f"deterministic prompt of {n} tokens"
-    bad = [i for i in token_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
-    if not token_ids or bad:
-        raise ParityError(f"token ids must be integers in [0, {vocab}); got {bad[:5] or 'none'}")
-    check_length(ckpt, len(token_ids))
-    return Inputs(torch.tensor([token_ids]), source)
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (MemAvailable), or None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def check_length(ckpt: Checkpoint, n: int) -> None:
-    """Refuse a prompt the model cannot take (past its positions) or this machine cannot hold: eager attention
-    materialises [heads, n, n] scores, and a check runs it in float32 (float64 to calibrate)."""
-    r = ckpt.resolved
-    limit = r["positions.max_positions"]
-    if limit and n > limit and r["positions.kind"] != "rope":  # a learned position table has no row past its end
-        raise ParityError(f"a prompt of {n} tokens exceeds the model's {limit} learned positions "
-                          f"(max_position_embeddings); use --length {limit} or less")
-    heads = max(r.layer("attention.heads", i) for i in range(r.num_layers)) if r.num_layers else 1
-    need = heads * n * n * 8 * 2  # scores and their softmax, in float64 when calibrating
-    available = _available_memory()
-    if available is not None and need > available:
-        raise ParityError(f"a prompt of {n} tokens needs about {need / 2**30:.0f} GiB for eager attention's "
-                          f"[{heads}, {n}, {n}] scores and this machine has {available / 2**30:.0f} GiB available; "
-                          f"use a shorter --length")
-
-
-def _tokenize(ckpt: Checkpoint, prompt: str) -> list[int]:
-    file = ckpt.path / "tokenizer.json"
-    if not file.exists():
-        raise ParityError(f"{ckpt.path}: no tokenizer.json to tokenize --prompt; give --ids or --length")
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(file)).encode(prompt).ids
-
-
-def read_inputs_file(path: Path) -> list[dict]:
-    """A JSON list of prompts: strings, or lists of token ids."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ParityError(f"--inputs {path}: cannot read a JSON list of prompts ({exc})") from None
-    if not isinstance(data, list) or not data:
-        raise ParityError(f"--inputs {path}: expected a non-empty JSON list of strings or id lists")
-    out = []
-    for k, item in enumerate(data):
-        if isinstance(item, str):
-            out.append({"prompt": item})
-        elif isinstance(item, list) and all(isinstance(i, int) for i in item):
-            out.append({"ids": item})
-        else:
-            raise ParityError(f"--inputs {path}: item {k} is neither a string nor a list of token ids")
-    return out
-
-
-def select_inputs(ckpt: Checkpoint, *, prompt: str | None = None, ids: list[int] | None = None,
-                  length: int | None = None, inputs_file: Path | None = None) -> list[Inputs]:
-    """A check's inputs: each prompt of ``inputs_file``, or the one given (or the default prompt)."""
-    prompts = read_inputs_file(inputs_file) if inputs_file else [{"prompt": prompt, "ids": ids, "length": length}]
-    return [make_inputs(ckpt, prompt=p.get("prompt"), ids=p.get("ids"), length=p.get("length")) for p in prompts]
-
-
-def _golden(reference: Path, adapter_dirs):
-    """The golden at ``reference``, or None for a checkpoint directory."""
-    from .golden import is_golden, open_golden
-
-    return open_golden(reference, adapter_dirs) if is_golden(reference) else None
+        candidates.get(kind).make_runner(models, Path(path), dtype, ids, None, None)(keep)
+    return last["out"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,20 +111,6 @@ def parse_layers(spec: str | None, num_layers: int) -> Span:
     return Span(start, stop, num_layers)
 
 
-def _forward_names(ckpt: Checkpoint, layerwise: bool, isolate: bool = False) -> list[str]:
-    """The points a check compares: every one (--layerwise), else the final output; an isolated check also
-    compares what each layer hands on (embed, layers.{i}.out), since fed the reference's inputs, a layer whose
-    own output is not compared would not be tested at all."""
-    points = [c.name for c in ckpt.resolved.capture]
-    final = "logits" if "logits" in points else ("final_norm" if "final_norm" in points else points[-1])
-    if layerwise:
-        return points
-    if isolate:
-        stream = {"embed", final, *(f"layers.{i}.out" for i in range(ckpt.resolved.num_layers))}
-        return [p for p in points if p in stream]
-    return [final]
-
-
 def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise: bool = False,
           isolate: bool = False, calibrate: bool = False, tolerance: list[str] = (), prompt: str | None = None,
           ids: list[int] | None = None, length: int | None = None, inputs_file: Path | None = None,
@@ -529,7 +118,7 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
           adapter_dirs=(), progress: Callable[[str], None] | None = None, provider: str | None = None,
           maps: list[str] | dict[str, str] = (), stream: bool | None = None, device: str = "cpu",
           candidate_device: str | None = None, on_layer: Callable[[str, int, int], None] | None = None,
-          layers: str | None = None) -> Report:
+          layers: str | None = None, decode: int = 0) -> Report:
     """Compare ``candidate`` against ``reference``; returns the report (truthy when parity holds).
 
     ``inject`` runs a neutral candidate with a catalogued porting mistake applied (parity bugs);
@@ -542,7 +131,10 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     ``device`` runs the reference there ("cpu", "cuda", "cuda:N", "mps", "auto"), ``candidate_device`` the
     candidate (default: the same); ``on_layer(model, done, total)`` reports each model's progress.
     ``layers`` "A:B" checks only layers [A, B), starting from the reference's input to layer A (a golden's
-    ``layers.{A-1}.out``); ``parity report merge`` joins the slices' reports.
+    ``layers.{A-1}.out``); ``parity report merge`` joins the slices' reports. ``decode`` N runs the candidate's
+    prompt and then N single-token steps with its own KV cache, each compared with the reference's uncached
+    forward at that position (parity.decode); without a prompt, one that makes decoding cross each sliding
+    window is chosen.
     """
     from . import bugs
 
@@ -551,63 +143,72 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if isinstance(generate, bool) or not isinstance(generate, int) or generate < 0:
         raise ParityError(f"--generate must be a number of tokens >= 0 (got {generate!r})")
+    if isinstance(decode, bool) or not isinstance(decode, int) or decode < 0:
+        raise ParityError(f"--decode must be a number of steps >= 0 (got {decode!r})")
     tolerances = Tolerances(dtype, list(tolerance))
     if inject:
         bugs.get(inject)
-    golden = _golden(Path(reference), adapter_dirs)
-    if golden is not None:
-        golden.check_options(dtype=dtype, calibrate=calibrate, isolate=isolate, generate=generate)
-        if checkpoint is not None:
-            golden.match(Path(checkpoint), adapter_dirs)
-        ckpt, calibrate = golden.checkpoint, golden.calibrated_for(dtype, isolated=isolate)
-        all_inputs = golden.inputs(prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
-    else:
-        if checkpoint is not None:
-            raise ParityError("--checkpoint goes with a golden --reference: it checks the golden was recorded from it")
-        ckpt = open_checkpoint(Path(reference), adapter_dirs)
-        if not ckpt.has_weights:
-            raise ParityError(f"--reference {reference}: no weights; give a Hugging Face checkpoint directory")
-        all_inputs = select_inputs(ckpt, prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
+    truth = open_reference(Path(reference), adapter_dirs)
+    truth.check_options(dtype=dtype, calibrate=calibrate, isolate=isolate, generate=generate, checkpoint=checkpoint,
+                        adapter_dirs=adapter_dirs)
+    ckpt = truth.checkpoint
+    if truth.stored:  # calibrated noise comes with the golden, or not at all
+        calibrate = truth.calibrated_for(dtype, isolated=isolate)
+    if decode:
+        _can_decode(truth, isolate, layers, decode)
+        if not truth.stored and prompt is None and ids is None and length is None and inputs_file is None:
+            from .decode import prompt_length
+
+            length = prompt_length(ckpt, decode)
+    all_inputs = truth.inputs(prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
     kind = candidate_kind(Path(candidate))
+    cand = candidates.get(kind)
+    if decode and cand.make_decoder is None:
+        raise ParityError(f"--decode: a {kind} candidate ({candidate}) cannot be run step by step by parity yet "
+                          f"(kinds that decode: {', '.join(k for k, c in candidates.kinds().items() if c.make_decoder)}"
+                          f"); drop --decode")
     device = resolve_device(device)
     candidate_device = resolve_device(candidate_device) if candidate_device else device
     if candidate_device == "auto":  # spreading over GPUs is for transformers models; the executor takes one
         candidate_device = resolve_device("cuda") if device_count() else "cpu"
-    if inject and kind != "neutral":
+    if inject and not cand.injects:
         raise ParityError(f"--inject needs a neutral candidate (the executor runs the mistake); {candidate} is {kind}")
-    if isolate and not getattr(candidates.get(kind), "isolates", True):  # neutral and transformers can be fed
+    if isolate and not cand.isolates:
         raise ParityError(f"--isolate: a {kind} candidate ({candidate}) cannot be fed the reference's layer inputs; "
                           f"drop --isolate")
     span = parse_layers(layers, ckpt.resolved.num_layers)
     if not span.whole:
-        _check_span(span, ckpt, golden, kind, generate, Path(candidate))
-    if golden is None:
-        _refuse_mismatched(ckpt, "--reference")
-    if kind == "transformers":  # a candidate of an unknown family, or with wrong tensors, is refused now, not later
-        _refuse_mismatched(open_checkpoint(Path(candidate), adapter_dirs), "--candidate")
-    report = Report(family=ckpt.resolved.family,
-                    reference=golden.describe() if golden else {"kind": "transformers", "path": str(reference)},
+        _check_span(span, truth, cand, generate, Path(candidate))
+    if cand.validate is not None:  # e.g. a checkpoint of an unknown family, or with wrong tensors: refused now
+        cand.validate(Path(candidate), adapter_dirs)
+    report = Report(family=ckpt.resolved.family, reference=truth.describe(),
                     candidate={"kind": kind, "path": str(candidate)}, dtype=dtype,
                     mode="isolated" if isolate else "free", layerwise=layerwise, calibrated=calibrate)
     if not span.whole:
         report.layers = span.to_json()
     runs = []
     if stream is None:
-        stream = golden is None and would_not_fit(ckpt, Path(candidate), kind, dtype, calibrate, device,
-                                                  candidate_device)
+        shapes = cand.shapes(Path(candidate), adapter_dirs) if cand.shapes is not None else ()
+        stream = not truth.stored and would_not_fit(ckpt, dtype, calibrate, device, shapes, candidate_device)
         if stream and progress:
             progress("the models do not fit in memory: streaming their weights a layer at a time")
-    _describe_quantization(report, ckpt, golden, kind, Path(candidate), stream)
+    _describe_quantization(report, truth, stream)
+    if cand.describe is not None:
+        report.candidate.update(cand.describe(Path(candidate)))
     models = Models(adapter_dirs, stream=stream, device=device, candidate_device=candidate_device)
-    models.options = _candidate_options(kind, provider, maps, layerwise)
+    models.options = {**_candidate_options(kind, provider, maps, layerwise), "inject": inject,
+                      "layers": range(span.start, span.stop), "last": span.stop - 1 if span.stop < span.of else None}
+    if calibrate and not truth.stored and cand.same_weights is not None:
+        _calibrate_to_quantization(models, report, ckpt, cand, Path(candidate), progress)
     kept_by_run: dict[int, dict] = {}  # the tensors a diagnosis needs, for each input that failed
     for k, inputs in enumerate(all_inputs):
-        seen, warnings = exercised(ckpt, inputs.ids.shape[1])
+        # the first input is also decoded: its decode steps reach further than its prompt
+        seen, warnings = exercised(ckpt, inputs.ids.shape[1] + (decode if k == 0 else 0))
         report.warnings += [w for w in warnings if w not in report.warnings]
         kept: dict = {"ids": inputs.ids}
         results, logits = _check_once(models, ckpt, Path(candidate), kind, inputs.ids, dtype, layerwise, isolate,
-                                      calibrate, tolerances, progress, inject, kept, golden, k, on_layer, span,
-                                      done_with_reference=k == len(all_inputs) - 1 and not generate)
+                                      calibrate, tolerances, progress, kept, truth, k, on_layer, span,
+                                      done_with_reference=k == len(all_inputs) - 1 and not generate and not decode)
         failing = [p for p in results if p.compared and not p.passed]
         for p in results:
             p.run = k
@@ -618,15 +219,32 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
             kept_by_run[k] = kept
         _merge(report, results, logits)
     report.inputs = {"runs": runs}
+    decoded = None
+    if decode:
+        from . import decode as decoding
+
+        decoded = decoding.compare(models, truth, 0, cand.make_decoder, Path(candidate), all_inputs[0].ids, decode,
+                                   DTYPES[dtype], tolerances, names.compared_points(ckpt, layerwise), progress)
+        report.points += decoded.points
+        report.decode = decoded.summary
+        report.warnings += [f"decoding does not reach the {c['what']} ({c['at']} tokens): use a larger --decode "
+                            f"or a shorter prompt" for c in decoded.summary["crossed"] if c["crossed"] is None]
     report.matching = models.notes.get("matching")
     report.warnings += [w for w in models.notes.get("warnings", []) if w not in report.warnings]
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
-    source = Path(reference) if golden is None else checkpoint and Path(checkpoint)
+    source = checkpoint and Path(checkpoint) if truth.stored else Path(reference)
     first = report.first_divergence
     kept = kept_by_run.get(first.run, {}) if first is not None else {}
     if diagnose and not source and not report:
         report.warnings.append("no diagnosis: naming the likely mistake needs the weights; pass --checkpoint DIR")
-    if diagnose and source and first is not None and first.name in kept.get("candidate", {}):
+    if diagnose and source and first is not None and first.step is not None:
+        from .diagnose import diagnose_decode
+
+        if progress:
+            progress("diagnosing")
+        report.diagnosis = diagnose_decode(source, decoded.kept, all_inputs[0].ids, decoded.summary["tokens"],
+                                           DTYPES[dtype], adapter_dirs=adapter_dirs)
+    elif diagnose and source and first is not None and first.name in kept.get("candidate", {}):
         from .diagnose import diagnose as name_the_bug
 
         if progress:
@@ -637,8 +255,7 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     if generate:
         if report.logits is None and "logits" not in {p.name for p in report.points}:
             raise ParityError("--generate needs a model with an LM head")
-        gen = _compare_generation(models, ckpt, Path(candidate), kind, all_inputs[0].ids, DTYPES[dtype], generate,
-                                  inject)
+        gen = _compare_generation(models, ckpt, Path(candidate), kind, all_inputs[0].ids, DTYPES[dtype], generate)
         report.generation = gen
         if report.logits is not None:
             report.logits["generate"] = gen
@@ -658,7 +275,7 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
     if build is None:
         raise ParityError(f"--same-weights reads the candidate's weights back; a {kind} candidate ({candidate}) "
                           f"cannot give them (GGUF files can)")
-    if _golden(Path(reference), adapter_dirs) is not None:
+    if open_reference(Path(reference), adapter_dirs).stored:
         raise ParityError("--same-weights needs a Hugging Face --reference (its config and model class); a golden "
                           "holds activations, not a model")
     ckpt = open_checkpoint(Path(reference), adapter_dirs)
@@ -666,53 +283,84 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
         held = build(ckpt, Path(candidate), Path(tmp))
         report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, **options)
     report.reference = {"kind": "transformers", "path": str(reference), "same_weights": held}
+    report.warnings += _not_quantizations(held)
     return report
 
 
-def _check_span(span: Span, ckpt: Checkpoint, golden, kind: str, generate: int, candidate: Path) -> None:
+def _not_quantizations(held: dict) -> list[str]:
+    """The warning for a candidate's tensors that are not a quantization of the checkpoint's (read back, they
+    differ by more than rounding): the reference kept the checkpoint's own, and the check judged them."""
+    wrong = held.get("not_a_quantization") or {}
+    if not wrong:
+        return []
+    listed = ", ".join(f"{name} (rel_l2 {error:.2g})" for name, error in list(wrong.items())[:4])
+    return [f"{len(wrong)} of the candidate's tensors are not a quantization of the checkpoint's: {listed}"
+            f"{' ...' if len(wrong) > 4 else ''}; the reference keeps the checkpoint's own there, so a port that "
+            f"laid them out wrongly still fails"]
+
+
+def _calibrate_to_quantization(models: Models, report: Report, ckpt: Checkpoint, cand, candidate: Path,
+                               progress: Callable[[str], None] | None) -> None:
+    """--calibrate with a quantized candidate (a GGUF of F16, Q8_0, ... matrices): each point's noise is what the
+    file's quantization does to the reference, the reference run on the file's own dequantized weights against
+    the reference itself, so that tolerances (10x that noise) are measured on this model and this file, not on
+    other models. The same-weights reference is loaded whole, once; an F32 file keeps the usual calibration."""
+    import shutil
+    import tempfile
+
+    if models.stream:
+        report.warnings.append("--calibrate: the models are streamed, so the quantization noise is not measured "
+                               "(the same-weights reference would have to stay on disk); tolerances are the "
+                               "reference's precision noise")
+        return
+    if progress:
+        progress("reading the candidate's own weights back, to measure what its quantization costs")
+    tmp = Path(tempfile.mkdtemp(prefix="parity-quantization-"))
+    try:
+        held = cand.same_weights(ckpt, candidate, tmp)
+        report.warnings += _not_quantizations(held)
+        if set(held["types"]) <= {"F32"}:
+            return
+        noisy = open_checkpoint(tmp, models.adapter_dirs)
+        models.hf(noisy, torch.float32, "calibration")  # loaded now: the directory is removed below
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    models.options["quantized_reference"] = (noisy, torch.float32)
+    report.candidate["quantization"] = {"types": held["types"], "noise": "the reference run on the file's own "
+                                        "dequantized weights: tolerances are 10x what its quantization costs"}
+
+
+def _can_decode(truth, isolate: bool, layers: str | None, n: int) -> None:
+    """Refuse --decode where it cannot run: each with its fix."""
+    from .decode import decodes
+
+    if not decodes(truth.checkpoint):
+        raise ParityError(f"--decode: a {truth.checkpoint.resolved.family} model is not a causal language model (it "
+                          f"has no decode steps); drop --decode")
+    if isolate or layers is not None:
+        raise ParityError("--decode runs the whole model from its own cache: drop --isolate and --layers")
+    if truth.stored:
+        truth.decode_steps(n)  # a golden holds the decode steps it was recorded with
+
+
+def _check_span(span: Span, truth, cand, generate: int, candidate: Path) -> None:
     """A slice runs from the reference's input to its first layer: refuse what cannot give one."""
     if generate:
         raise ParityError("--generate needs the whole model; drop --layers")
     entry = "embed" if span.start == 0 else f"layers.{span.start - 1}.out"
-    if golden is not None and span.start > 0 and entry not in golden.points:
+    if truth.points is not None and span.start > 0 and entry not in truth.points:
         raise ParityError(f"--layers {span.start}:{span.stop}: the golden does not hold {entry}, the input of layer "
                           f"{span.start}; record it with --points all or --points layers")
-    if kind == "neutral":
-        from .neutral import read_manifest
-
-        for i, layer in enumerate(read_manifest(candidate)["layers"][span.start:span.stop], span.start):
-            source = layer["attention"].get("kv_shared_from")
-            if source is not None and source < span.start:
-                raise ParityError(f"--layers {span.start}:{span.stop}: layer {i} reuses the keys and values of "
-                                  f"layer {source}; start the slice at {source} or earlier")
+    if cand.check_span is not None:
+        cand.check_span(candidate, span.start, span.stop)
 
 
-def _describe_quantization(report: Report, ckpt: Checkpoint, golden, kind: str, candidate: Path, stream: bool) -> None:
-    """An FP8 block-quantized reference runs on its dequantized weights (float32): the report says so, and what a
-    converted candidate's dequantization at its dtype cost (rel_l2 against the float32 dequantization)."""
-    if golden is None and ckpt.quantization is not None:
-        report.reference["quantization"] = {**ckpt.quantization.to_json(), "dequantized_to": "float32",
+def _describe_quantization(report: Report, truth, stream: bool) -> None:
+    """An FP8 block-quantized reference runs on its dequantized weights (float32): the report says so."""
+    q = truth.checkpoint.quantization
+    if not truth.stored and q is not None:
+        report.reference["quantization"] = {**q.to_json(), "dequantized_to": "float32",
                                             "dequantized_by": "parity, a layer at a time" if stream else "transformers"}
-    if kind == "neutral":
-        from .neutral import read_manifest
-
-        q = read_manifest(candidate)["source"].get("quantization")
-        if q is not None:
-            report.candidate["quantization"] = q
-
-
-def _refuse_mismatched(ckpt: Checkpoint, role: str) -> None:
-    """A checkpoint whose tensors are missing or misshapen for its config: transformers would crash on it, or
-    initialise the missing weights at random and give a verdict about noise."""
-    from .checkpoint import check_tensors
-
-    found = ckpt.check()
-    if found.missing or found.wrong_shape:
-        problems = "; ".join(f"{label} ({len(items)}): {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
-                             for label, items in (("missing", found.missing), ("wrong shape", found.wrong_shape))
-                             if items)
-        raise ParityError(f"{role} {ckpt.path}: tensors do not match its config ({ckpt.resolved.family}): {problems}; "
-                          f"check that config.json belongs to these weights")
 
 
 def _candidate_options(kind: str, provider: str | None, maps, layerwise: bool) -> dict:
@@ -731,7 +379,7 @@ def _candidate_options(kind: str, provider: str | None, maps, layerwise: bool) -
 
 
 def _compare_generation(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor,
-                        dtype: torch.dtype, n: int, inject: str | None = None) -> dict:
+                        dtype: torch.dtype, n: int) -> dict:
     """Greedy-decode n tokens with both models (no cache: each step re-runs the whole sequence). The candidate
     is the one the check compared, injected mistake included."""
     def greedy(step: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
@@ -741,29 +389,21 @@ def _compare_generation(models: Models, ckpt: Checkpoint, candidate: Path, kind:
             seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
         return seq[0, ids.shape[1]:].tolist()
 
+    def logits(seq: torch.Tensor) -> torch.Tensor:
+        got: list[torch.Tensor] = []
+        run = candidates.get(kind).make_runner(models, candidate, dtype, seq, None, ckpt)
+        run(lambda name, t: got.append(t) if name == "logits" else None)
+        if not got:
+            raise ParityError(f"--generate: the {kind} candidate {candidate} gives no logits")
+        return got[0]
+
     check_length(ckpt, ids.shape[1] + n)
     reference_model = models.hf(ckpt, torch.float32)
     with torch.no_grad():
         reference = greedy(lambda seq: reference_model(input_ids=seq).logits)
-        if kind == "neutral":
-            cand_model = models.neutral(candidate, dtype, inject)
-            produced = greedy(lambda seq: cand_model(seq))
-        elif candidates.get(kind) is not None:  # a candidate kind: its run's logits point
-            produced = greedy(lambda seq: _plugin_logits(models, ckpt, candidate, kind, seq, dtype))
-        else:
-            hf = models.hf(open_checkpoint(candidate, models.adapter_dirs), dtype, "candidate")
-            produced = greedy(lambda seq: hf(input_ids=seq).logits)
+        produced = greedy(logits)
     first = next((k for k, (a, b) in enumerate(zip(reference, produced)) if a != b), None)
     return {"tokens": n, "reference": reference, "candidate": produced, "first_difference": first}
-
-
-def _plugin_logits(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor,
-                   dtype: torch.dtype) -> torch.Tensor:
-    got: dict[str, torch.Tensor] = {}
-    candidates.get(kind).make_runner(models, candidate, dtype, ids, None, ckpt)(lambda name, t: got.setdefault(name, t))
-    if "logits" not in got:
-        raise ParityError(f"--generate: the {kind} candidate {candidate} gives no logits")
-    return got["logits"]
 
 
 def _severity(p: PointResult) -> tuple[int, float]:
@@ -798,38 +438,6 @@ def _merge(report: Report, results: list[PointResult], logits: dict | None) -> N
         report.logits = None
 
 
-def layer_inputs(num_layers: int) -> dict[str, int]:
-    """The points that are a layer's input: `embed` feeds layer 0, `layers.{i}.out` feeds layer i + 1 (the head
-    after the last); point -> the index isolation feeds it to."""
-    return {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(num_layers)}}
-
-
-class LayerInputs:
-    """The reference's input to each layer, handed from the comparing thread to an isolated calibration run in
-    its own thread (which waits for each one). ``close`` releases a waiting run when the check stops early."""
-
-    def __init__(self):
-        self.values: dict[int, torch.Tensor] = {}
-        self.closed = False
-        self.ready = threading.Condition()
-
-    def put(self, i: int, x: torch.Tensor) -> None:
-        with self.ready:
-            self.values[i] = x
-            self.ready.notify_all()
-
-    def close(self) -> None:
-        with self.ready:
-            self.closed = True
-            self.ready.notify_all()
-
-    def feed(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        with self.ready:
-            self.ready.wait_for(lambda: i in self.values or self.closed)
-            ref = self.values.pop(i, None)
-        return x if ref is None else ref.to(x.device, x.dtype)
-
-
 def _points_fit(ckpt: Checkpoint, ids: torch.Tensor, points: set[str], device: str) -> bool:
     """Whether the reference's float32 points (the logits [positions, vocabulary] included) take under a tenth of
     the memory free where it runs."""
@@ -841,18 +449,19 @@ def _points_fit(ckpt: Checkpoint, ids: torch.Tensor, points: set[str], device: s
 
 def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, ids: torch.Tensor, dtype: str, layerwise: bool,
                 isolate: bool, calibrate: bool, tolerances: Tolerances, progress: Callable[[str], None] | None,
-                inject: str | None = None, kept: dict | None = None, golden=None,
+                kept: dict | None = None, truth=None,
                 run_index: int = 0, on_layer: Callable[[str, int, int], None] | None = None,
                 span: Span | None = None, done_with_reference: bool = False) -> tuple[list[PointResult], dict | None]:
     """One prompt. ``kept`` (when given) receives the two sides' tensors at the first failing point and
-    the final output, for the diagnosis. With a ``golden``, its run ``run_index`` is the reference.
+    the final output, for the diagnosis. ``truth`` (parity.references) runs input ``run_index`` as the reference;
+    a stored one (a golden) also gives each point's noise.
     ``done_with_reference``: no later prompt runs the reference, so a whole one is dropped once it has run."""
     say = progress or (lambda message: None)
     low = DTYPES[dtype]
     n_layers = ckpt.resolved.num_layers
     span = span or Span(0, n_layers, n_layers)
     # a slice compares what each of its layers hands on, like an isolated check: its layers are all it tests
-    wanted = [p for p in _forward_names(ckpt, layerwise, isolate or not span.whole) if span.holds(p)]
+    wanted = [p for p in names.compared_points(ckpt, layerwise, isolate or not span.whole) if span.holds(p)]
     input_of = layer_inputs(n_layers)
     # the layers fed the reference's input: every one when isolating, else a slice's first (when the candidate
     # can be fed: a dump or a graph runs from its own start)
@@ -873,20 +482,20 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     # held whole, the models run one after the other when the reference's points fit beside them: side by side
     # they would share the same cores, each op already spread over all of them, and pay for it; streamed (or
     # with points too many to hold), they run in step, so that few points are held at a time
-    ahead = not models.stream and golden is None and _points_fit(ckpt, ids, needed, models.device["reference"])
-    if golden is not None:  # stored activations (and noise), in place of transformers
-        wanted = [n for n in wanted if n in golden.points]
-        streams = {"reference": Stream(only(golden.runner(run_index), needed), "golden")}
-    else:
-        say("loading the reference")
-        streams = {"reference": Stream(hf_runner(models, ckpt, torch.float32, ids, points=needed,
-                                                 on_layer=layer_done("reference"), last=last), "reference",
-                                       bound=0 if ahead else 4)}
-    if calibrate and golden is None:
-        other = torch.float64 if low == torch.float32 else low
+    ahead = not models.stream and not truth.stored and _points_fit(ckpt, ids, needed, models.device["reference"])
+    if truth.points is not None:  # a golden holds the points it was recorded with
+        wanted = [n for n in wanted if n in truth.points]
+    say("loading the reference")
+    streams = {"reference": Stream(truth.runner(models, run_index, ids, points=needed,
+                                                on_layer=layer_done("reference"), last=last), truth.kind,
+                                   bound=0 if ahead else 4)}
+    if calibrate and not truth.stored:
+        # a quantized candidate's noise is its quantization: the reference run on the file's own weights
+        noisy_ckpt, other = models.options.get("quantized_reference") or (ckpt, torch.float64 if low == torch.float32
+                                                                          else low)
         say(f"loading the reference at {str(other).removeprefix('torch.')} for calibration")
         feed_noise = (lambda i, x: noise_inputs.feed(i, x) if i in feeding else x) if noise_inputs else None
-        streams["noise"] = Stream(hf_runner(models, ckpt, other, ids, feed_noise, "calibration", points=needed,
+        streams["noise"] = Stream(hf_runner(models, noisy_ckpt, other, ids, feed_noise, "calibration", points=needed,
                                             on_layer=layer_done("calibration"), last=last),
                                   "reference (calibration)")
 
@@ -926,10 +535,10 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
             noise_inputs.put(input_of[name], ref)
         if name not in wanted_set:
             return
-        if golden is None:
+        if not truth.stored:
             noise, rounding = (metrics(noisy, ref)["rel_l2"] if noisy is not None else None), 0.0
         else:
-            noise, rounding = golden.noise(run_index, name, dtype, isolated=isolate), golden.rounding(run_index, name)
+            noise, rounding = truth.noise(run_index, name, dtype, isolated=isolate), truth.rounding(run_index, name)
         # a golden's storage rounding is part of this comparison's noise
         result = judge(name, metrics(got, ref), tolerances.for_point(name, noise, rounding),
                        noise if noise is None else max(noise, rounding))
@@ -956,13 +565,7 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
     say(f"running the candidate ({kind})")
     try:  # the reference streams are running: whatever happens, let them finish
         fed = feed if feeding else None
-        if candidates.get(kind) is not None:
-            run = candidates.get(kind).make_runner(models, candidate, low, ids, fed, ckpt)
-        elif kind == "neutral":
-            run = neutral_runner(models, candidate, low, ids, fed, inject, range(span.start, span.stop))
-        else:
-            run = hf_runner(models, open_checkpoint(candidate, models.adapter_dirs), low, ids, fed, "candidate",
-                            last=last)
+        run = candidates.get(kind).make_runner(models, candidate, low, ids, fed, ckpt)
         run(on_point)
     finally:
         if noise_inputs is not None:
@@ -977,3 +580,14 @@ def _check_once(models: Models, ckpt: Checkpoint, candidate: Path, kind: str, id
                                        compared=False))
     results.sort(key=lambda p: names.point_order(p.name))
     return results, logits
+
+
+def verify_golden(path: Path, reference: Path, *, adapter_dirs=(), progress: Callable[[str], None] | None = None):
+    """Re-run the live reference against the golden at ``path``: a report whose failing points are drift."""
+    truth = open_reference(Path(path), adapter_dirs)
+    if not truth.stored:
+        raise ParityError(f"{path} is not a golden (no golden.json); record one with parity golden record")
+    truth.match(Path(reference), adapter_dirs)  # drift against another checkpoint would mean nothing
+    # the golden holds the float32 reference: the live one, run the same way, is the candidate
+    return check(Path(path), Path(reference), dtype="float32", layerwise=True, adapter_dirs=adapter_dirs,
+                 progress=progress)

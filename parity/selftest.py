@@ -4,6 +4,9 @@ For each pair the bug is injected into the family's converted tiny checkpoint an
 layer with calibrated tolerances; the matrix records whether parity caught it, where, what the
 diagnosis named, and whether the checks ports usually rely on — the final output compared with
 np.allclose(atol=1e-5), or the next token — would have caught it at all.
+
+KV-cache bugs (and a clean run, for every family that decodes) are checked with ``--decode DECODE_STEPS``; the
+prefill-only check of the same candidate runs beside it, and the matrix shows both.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from .neutral import convert
 from .runner import check
 from .tiny import make_tiny
 
+DECODE_STEPS = 32
+
 
 @dataclass
 class Row:
@@ -31,6 +36,8 @@ class Row:
     diagnosed: str | None
     allclose_caught: bool        # np.allclose(final output, atol=1e-5) would have failed
     top1_caught: bool            # the next token would have differed
+    check: str = "prefill"       # "prefill", or "decode N" (the KV-cache path, N steps)
+    prefill_caught: bool | None = None  # a decode row: whether the prefill-only check caught it too
 
     @property
     def diagnosis_right(self) -> bool:
@@ -65,20 +72,29 @@ def run(families: list[str] | None = None, dtype: str | None = None,
             from .neutral import read_manifest
 
             manifest = read_manifest(neutral)
-            cases = [(None, dtype or "float32", None)] + [
-                (b.id, dtype or b.dtype, b.width) for b in bugs.applicable(manifest)]
-            for bug_id, case_dtype, width in cases:
-                say(f"{family}: {bug_id or 'clean'}")
+            applicable = bugs.applicable(manifest)
+            cases = [(None, dtype or "float32", None, False)] + [
+                (b.id, dtype or b.dtype, b.width, False) for b in applicable if not b.decode]
+            if bugs.decodes(manifest):
+                cases += [(None, dtype or "float32", None, True)] + [
+                    (b.id, dtype or b.dtype, b.width, True) for b in applicable if b.decode]
+            for bug_id, case_dtype, width, decoding in cases:
+                say(f"{family}: {bug_id or 'clean'}{' (decode)' if decoding else ''}")
                 src, neutral = tiny(family, width)
-                report = check(src, neutral, dtype=case_dtype, layerwise=True, calibrate=True, inject=bug_id)
-                logits = report.logits or {}
+                prefill = check(src, neutral, dtype=case_dtype, layerwise=True, calibrate=True, inject=bug_id)
+                report = prefill if not decoding else check(src, neutral, dtype=case_dtype, layerwise=True,
+                                                            calibrate=True, inject=bug_id, decode=DECODE_STEPS)
+                logits = prefill.logits or {}  # what a port's usual final-output checks see: one forward
                 first = report.first_divergence
                 rows.append(Row(
                     family=family, bug=bug_id or "clean", dtype=case_dtype, detected=not report,
-                    first_divergence=first.name if first else None,
+                    first_divergence=None if first is None else
+                    first.name if first.step is None else f"step {first.step} {first.name}",
                     diagnosed=report.diagnosis[0]["bug"] if report.diagnosis else None,
                     allclose_caught=not logits.get("allclose_1e-5", True),
                     top1_caught=not logits.get("next_token_agrees", True),
+                    check=f"decode {DECODE_STEPS}" if decoding else "prefill",
+                    prefill_caught=not prefill if decoding else None,
                 ))
     return rows
 
@@ -99,6 +115,8 @@ def totals(rows: list[Row]) -> dict:
         "false_alarms": sum(r.detected for r in clean),
         "allclose_would_catch": sum(r.allclose_caught for r in injected),
         "top1_would_catch": sum(r.top1_caught for r in injected),
+        "decode_pairs": sum(r.check != "prefill" for r in injected),
+        "prefill_only_would_catch": sum(bool(r.prefill_caught) for r in injected if r.check != "prefill"),
     }
 
 
@@ -110,7 +128,8 @@ def summary(rows: list[Row]) -> str:
             f"{t['diagnosed_unknown']}, wrong for {t['diagnosed_wrong']}; {t['false_alarms']} false alarms on "
             f"{t['clean_conversions']} clean conversions. A final-output np.allclose(atol=1e-5) would have "
             f"caught {t['allclose_would_catch']}/{t['pairs']}, a next-token check "
-            f"{t['top1_would_catch']}/{t['pairs']}.")
+            f"{t['top1_would_catch']}/{t['pairs']}. A prefill-only check caught {t['prefill_only_would_catch']} of the "
+            f"{t['decode_pairs']} KV-cache pairs.")
 
 
 def markdown(rows: list[Row]) -> str:
@@ -119,11 +138,14 @@ def markdown(rows: list[Row]) -> str:
     This is what README.md shows, pasted as written by `parity selftest --markdown FILE`.
     """
     lines = ["<details><summary>The full matrix</summary>", "",
-             "| family | bug | dtype | detected | first divergence | diagnosis | allclose(1e-5) | top-1 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| family | bug | dtype | check | detected | first divergence | diagnosis | prefill-only | allclose(1e-5) "
+             "| top-1 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     mark = {True: "yes", False: "no"}
     for r in rows:
         diag = "-" if r.diagnosed is None else (r.diagnosed + ("" if r.diagnosis_right or r.bug == "clean" else " ✗"))
-        lines.append(f"| {r.family} | {r.bug} | {r.dtype} | {mark[r.detected]} | {r.first_divergence or '-'} | "
-                     f"{diag} | {mark[r.allclose_caught]} | {mark[r.top1_caught]} |")
+        prefill = "-" if r.prefill_caught is None else "caught" if r.prefill_caught else "passed"
+        lines.append(f"| {r.family} | {r.bug} | {r.dtype} | {r.check} | {mark[r.detected]} | "
+                     f"{r.first_divergence or '-'} | {diag} | {prefill} | {mark[r.allclose_caught]} | "
+                     f"{mark[r.top1_caught]} |")
     return "\n".join(lines + ["", "</details>", "", summary(rows)])

@@ -39,13 +39,13 @@ def test_the_runner_imports_no_candidate_module():
 def test_every_kind_module_states_the_protocol():
     for name, kind in candidates.kinds().items():
         assert kind.name == name and callable(kind.detect) and callable(kind.make_runner)
-    assert set(candidates.kinds()) == {"dump", "onnx", "gguf"}
+    assert set(candidates.kinds()) == {"dump", "onnx", "gguf", "neutral", "transformers"}
 
 
 def test_a_new_engine_is_one_module_and_one_line(tmp_path, tiny_dir, monkeypatch):
     """An "echo" engine (a file naming a neutral directory, run by parity's executor) checked end to end, added
     as a module of parity.candidates and one entry in KINDS, nothing else."""
-    from parity import runner
+    from parity.candidates import neutral as neutral_kind
 
     echo = types.ModuleType("parity.candidates.echo")
     echo.KIND = "echo"
@@ -53,7 +53,7 @@ def test_a_new_engine_is_one_module_and_one_line(tmp_path, tiny_dir, monkeypatch
 
     def make_runner(models, path, dtype, ids, feed, ckpt):
         target = Path(Path(path).read_text().strip())
-        return runner.neutral_runner(models, target, dtype, ids, feed)
+        return neutral_kind.make_runner(models, target, dtype, ids, feed, ckpt)
 
     echo.make_runner = make_runner
     monkeypatch.setitem(sys.modules, "parity.candidates.echo", echo)
@@ -70,3 +70,39 @@ def test_a_new_engine_is_one_module_and_one_line(tmp_path, tiny_dir, monkeypatch
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["candidate"]["kind"] == "echo" and all(p["passed"] for p in report["points"])
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """parity's modules and the parity modules each imports, at any depth of its code (lazy imports included)."""
+    graph: dict[str, set[str]] = {}
+    for file in (ROOT / "parity").rglob("*.py"):
+        module = ".".join(file.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        package = module if file.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                name = f"{base}.{node.module}" if node.module else base
+                targets |= {name} if node.module else {f"{base}.{a.name}" for a in node.names}
+        graph[module] = targets
+    return {m: {t for t in ts if t in graph} for m, ts in graph.items()}
+
+
+def test_parity_has_no_import_cycles():
+    """Not even through a function-level import: the reference kinds (golden) and the candidate kinds run below
+    the runner, which is the only module that joins them."""
+    graph = _package_imports()
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            assert state.get(t) != 1, " -> ".join(path + [m, t])
+            if t not in state:
+                visit(t, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert "parity.runner" not in graph["parity.golden"] and "parity.runner" in graph["parity.cli"]

@@ -37,7 +37,7 @@ from parity.errors import ParityError
 from parity.golden import open_golden
 from parity.neutral import load
 from parity.report import Report, merge_slices
-from parity.runner import Models
+from parity.models import Models
 
 from .bad_inputs import GOLDEN, build, onnx_model
 from .conftest import ADAPTERS, FIXTURES
@@ -218,7 +218,7 @@ def test_corrupted_goldens(world, data, monkeypatch):
             g = ends_well(open_golden, golden)
         if g is not None:  # what a check then asks of it must work
             g.inputs()
-            g.runner(0)(lambda name, t: None)
+            g.runner(None, 0, None)(lambda name, t: None)
             for name in g.points:
                 g.noise(0, name, g.dtype)
                 g.rounding(0, name)

@@ -208,3 +208,64 @@ def test_a_vocabulary_that_splits_the_prompt_otherwise_is_reported(tmp_path, tin
     assert result.exit_code == 0
     said = [w for w in report["warnings"] if "tokenizer" in w]
     assert said and f"first different at position 0 (reference {ord('h')}, llama.cpp {ord('e')})" in said[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_llama_cpp_decodes_with_its_own_cache(family, tmp_path, released):
+    """--decode: the prompt, then 32 llama.cpp decode steps through its own KV cache (Gemma 3's sliding layers
+    wrap during them), each step's points read through the eval callback."""
+    reference = released(family)
+    out = tmp_path / f"{family}.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", out).exit_code == 0
+    # one position's rel_l2 spreads wider than a prompt's: the f16 GELU table reaches 1.04e-3 on the tiny Gemma 3
+    extra = ("--tolerance", "*:rel_l2=2e-3") if family in TOLERANCE else ()
+    result, report = _check(reference, out, tmp_path / "r.json", "--decode", "32", *extra)
+    assert result.exit_code == 0, result.output
+    steps = [p for p in report["points"] if p["step"] is not None]
+    assert {p["step"] for p in steps} == set(range(1, 33))
+    compared = [p for p in steps if p["compared"]]
+    assert len(compared) == 32 * sum(p["compared"] for p in report["points"] if p["step"] is None)
+    assert report["decode"]["top1_agreement"] == 1.0 and report["decode"]["kl_max"] < 1e-8
+    worst = max(p["rel_l2"] for p in compared)  # README: 2.4e-6 (llama), 1.04e-3 (gemma3)
+    assert worst < (3e-6 if family == "llama" else 1.1e-3), worst
+    if family == "gemma3":
+        assert {c["what"]: c["crossed"] for c in report["decode"]["crossed"]}["sliding window 8"] == "decode"
+    assert "at every decode step" in result.output or family == "gemma3"
+
+
+@pytest.mark.parametrize("gguf_type", ["F32", "Q8_0"])
+@pytest.mark.parametrize("bug,first", [("rope-permuted", "layers.0.attn_out"), ("norm-offset-added", "layers.0.attn_in")])
+def test_same_weights_and_quantization_noise_do_not_absorb_a_broken_layout(gguf_type, bug, first, tmp_path,
+                                                                           released):
+    """Read back, a twin's q/k rows (or norms) are not a quantization of the checkpoint's: the same-weights
+    reference keeps the checkpoint's own there, so --same-weights and a calibrated check still fail where the
+    mistake acts, and say which tensors they were."""
+    reference = released("llama")
+    out = tmp_path / "twin.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", out, "--gguf-type", gguf_type, "--inject",
+                bug).exit_code == 0
+    for mode in ("--same-weights", "--calibrate"):
+        result, report = _check(reference, out, tmp_path / f"r{mode}.json", mode)
+        assert result.exit_code == 1, (mode, result.output)
+        assert report["first_divergence"]["point"] == first, mode
+        assert any("not a quantization of the checkpoint's" in w for w in report["warnings"])
+        assert report["first_divergence"]["rel_l2"] > 0.3
+        if mode == "--calibrate" and gguf_type == "Q8_0":  # README: 38x and 197x the quantization's noise
+            assert report["first_divergence"]["noise_ratio"] > 30
+
+
+def test_a_q8_0_file_passes_within_tolerances_measured_on_its_own_quantization(tmp_path, released):
+    """--calibrate with a quantized file: each point's noise is the reference against the reference run on the
+    file's own dequantized weights (what the quantization costs this model), and the tolerance 10x that. A correct
+    Q8_0 file of the tiny Llama is within 1.3x of it at every point (llama.cpp also rounds activations to Q8_0);
+    its broken twins are 20x to 200x beyond (the test above)."""
+    reference = released("llama")
+    out = tmp_path / "q8.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", out, "--gguf-type", "Q8_0").exit_code == 0
+    result, report = _check(reference, out, tmp_path / "r.json", "--calibrate")
+    assert result.exit_code == 0, result.output
+    compared = [p for p in report["points"] if p["compared"]]
+    assert all(p["tolerance"]["source"].startswith("calibrated") for p in compared)
+    assert all(p["noise"] > 1e-3 and p["noise_ratio"] < 2 for p in compared)  # README: 1.0x to 1.3x
+    assert report["candidate"]["quantization"]["types"]["Q8_0"] == 16
+    assert 0.9 < report["logits"]["top1_agreement"] < 1.0  # Q8_0 flips near ties on these random weights

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import parity
 from parity import bugs, names, runner
+from parity.inputs import select_inputs
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
 from parity.compare import Tolerance
@@ -45,7 +46,7 @@ def world(tiny_dir, tmp_path_factory):
     src = tiny_dir(FAMILY)
     neutral = convert(src, root / "neutral") and root / "neutral"
     golden = record(src, root / "golden", points="all", calibrate=True).path
-    ids = runner.select_inputs(open_checkpoint(src))[0].ids
+    ids = select_inputs(open_checkpoint(src))[0].ids
     return {"root": root, "src": src, "neutral": neutral, "golden": golden, "ids": ids, "made": {}}
 
 

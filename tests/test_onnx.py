@@ -290,6 +290,12 @@ def test_onnxruntime_genai_model_builder(tiny_dir, tmp_path):
     assert {"embed", "layers.0.attn_in", "layers.0.out", "layers.1.mid", "final_norm", "logits"} <= set(matched)
     assert "SkipSimplifiedLayerNormalization" in matched["layers.0.out"]["how"]
     assert all(p.rel_l2 <= 1e-5 for p in report.points if p.compared)
+    # --decode: the prompt, then 32 steps, each fed the present.* the step before returned as past_key_values.*
+    decoded = _check(tiny_dir("llama"), out, decode=32)
+    steps = [p for p in decoded.points if p.step is not None]
+    assert decoded.verdict == "pass", decoded.first_divergence
+    assert {p.step for p in steps} == set(range(1, 33)) and sum(p.compared for p in steps) == 32 * len(matched)
+    assert all(p.rel_l2 <= 1e-5 for p in steps if p.compared) and decoded.decode["top1_agreement"] == 1.0
 
 
 OPTIMUM_PIP_ERROR = ("pip install optimum-onnx: ERROR: ResolutionImpossible: optimum-onnx 0.1.0 (the newest) depends "

@@ -21,7 +21,7 @@ from parity.checkpoint import open_checkpoint, read_config
 from parity.errors import ParityError
 from parity.golden import open_golden
 from parity.neutral import load, read_manifest
-from parity.runner import Models
+from parity.models import Models
 
 from .bad_inputs import GOLDEN, build, onnx_model, safetensors_bytes, sentinel
 from .conftest import FIXTURES

@@ -125,11 +125,12 @@ def parse_matrix(markdown: str) -> list[selftest.Row]:
     """Rows back from `selftest.markdown` (its matrix lines), so that totals can be recomputed from them."""
     yes = {"yes": True, "no": False}
     rows = []
-    for family, bug, dtype, detected, first, diagnosed, allclose, top1 in cells(
+    prefill_only = {"-": None, "caught": True, "passed": False}
+    for family, bug, dtype, check, detected, first, diagnosed, prefill, allclose, top1 in cells(
             "\n".join(line for line in markdown.splitlines() if line.startswith("|"))):
         diagnosed = None if diagnosed == "-" else diagnosed.removesuffix(" ✗")
         rows.append(selftest.Row(family, bug, dtype, yes[detected], None if first == "-" else first, diagnosed,
-                                 yes[allclose], yes[top1]))
+                                 yes[allclose], yes[top1], check, prefill_only[prefill]))
     return rows
 
 

@@ -7,13 +7,14 @@ holds real weights, embeddings read only the rows the prompt uses and the head i
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from parity import lazy, runner
+from parity import candidates, lazy, models, runner
+from parity.candidates import neutral as neutral_kind
+from parity.inputs import make_inputs
 from parity.checkpoint import open_checkpoint
 from parity.errors import ParityError
 from parity.executor.model import NeutralModel
@@ -30,7 +31,7 @@ def _logits(out):
 def test_streamed_reference_is_transformers_bit_for_bit(family, tiny_dir):
     ckpt = open_checkpoint(tiny_dir(family))
     cls = getattr(transformers, ckpt.variant.architectures[0])
-    ids = runner.make_inputs(ckpt).ids
+    ids = make_inputs(ckpt).ids
     whole = cls.from_pretrained(ckpt.path, attn_implementation="eager", dtype=torch.float32).eval()
     streamed = lazy.streamed_hf(cls, ckpt, torch.float32)
     layers = [streamed.get_submodule(c.module) for c in ckpt.resolved.capture if c.name.endswith(".out")
@@ -103,10 +104,11 @@ def test_streamed_check_still_fails_a_broken_port(tiny_dir, neutral_dir):
 
 def test_streaming_turns_on_when_the_models_would_not_fit(tiny_dir, neutral_dir, monkeypatch):
     ckpt = open_checkpoint(tiny_dir("llama"))
-    monkeypatch.setattr(runner, "_memory", lambda device: 10**12)
-    assert not runner.would_not_fit(ckpt, neutral_dir("llama"), "neutral", "float32", False, "cpu", "cpu")
-    monkeypatch.setattr(runner, "_memory", lambda device: 4096)
-    assert runner.would_not_fit(ckpt, neutral_dir("llama"), "neutral", "float32", False, "cpu", "cpu")
+    shapes = candidates.get("neutral").shapes(neutral_dir("llama"))
+    monkeypatch.setattr(models, "_memory", lambda device: 10**12)
+    assert not models.would_not_fit(ckpt, "float32", False, "cpu", shapes)
+    monkeypatch.setattr(models, "_memory", lambda device: 4096)
+    assert models.would_not_fit(ckpt, "float32", False, "cpu", shapes)
     used = []
     monkeypatch.setattr(lazy, "streamed_hf", lambda *a, **k: used.append(True) or
                         (_ for _ in ()).throw(RuntimeError("streamed")))
@@ -117,12 +119,12 @@ def test_streaming_turns_on_when_the_models_would_not_fit(tiny_dir, neutral_dir,
 
 def test_final_only_holds_only_what_it_compares(tiny_dir, neutral_dir, monkeypatch):
     emitted: list[str] = []
-    original = runner.Stream.__init__
+    original = models.Stream.__init__
 
     def spy(self, run, label, **options):
         original(self, lambda emit: run(lambda n, t: (emitted.append(n), emit(n, t))), label, **options)
 
-    monkeypatch.setattr(runner.Stream, "__init__", spy)
+    monkeypatch.setattr(models.Stream, "__init__", spy)
     report = runner.check(tiny_dir("llama"), neutral_dir("llama"))
     assert report and emitted == ["logits"]
 
@@ -133,19 +135,19 @@ def test_devices_are_checked_before_anything_runs(tiny_dir, neutral_dir):
     if not torch.cuda.is_available():
         with pytest.raises(ParityError, match="no CUDA GPU"):
             runner.check(tiny_dir("llama"), neutral_dir("llama"), device="cuda:0")
-    assert runner.resolve_device("auto") in ("cpu", "mps", "cuda:0", "auto")
+    assert models.resolve_device("auto") in ("cpu", "mps", "cuda:0", "auto")
 
 
 def test_held_whole_the_reference_runs_first_and_is_dropped_before_the_candidate_loads(tiny_dir, neutral_dir,
                                                                                      monkeypatch):
     held: list[list] = []  # the transformers models held when the candidate loads
-    original = runner.Models.neutral
+    original = neutral_kind.load
 
-    def spy(self, *args, **kwargs):
-        held.append([key for key in self.loaded if key[0] == "hf"])
-        return original(self, *args, **kwargs)
+    def spy(loaded, *args, **kwargs):
+        held.append([key for key in loaded.loaded if key[0] == "hf"])
+        return original(loaded, *args, **kwargs)
 
-    monkeypatch.setattr(runner.Models, "neutral", spy)
+    monkeypatch.setattr(neutral_kind, "load", spy)
     ahead = runner.check(tiny_dir("llama"), neutral_dir("llama"), layerwise=True, stream=False)
     assert ahead and held == [[]]
     # points too many to hold beside the models: the two run in step, the reference held throughout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from ..dumps import dump_runner as make_runner, is_dump as detect  # noqa: F401 - the kind's protocol
+from ..dumps import (  # noqa: F401 - the kind's protocol
+    dump_decoder as make_decoder, dump_runner as make_runner, is_dump as detect)
 
 KIND = "dump"

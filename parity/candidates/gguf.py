@@ -131,21 +131,23 @@ class GGUFRun:
                 self.captured[point] = x.reshape(-1, x.shape[-1]).unsqueeze(0).clone()
         return True
 
-    def run(self, ids: list[int]) -> dict[str, torch.Tensor]:
+    def run(self, ids: list[int], start: int = 0) -> dict[str, torch.Tensor]:
+        """Run ``ids`` at positions ``start``, ``start + 1``, ...: the prompt (start 0), or a decode step after
+        it, which attends to the keys and values llama.cpp's own cache kept from the calls before."""
         llama_cpp = self.llama_cpp
         n = len(ids)
         batch = llama_cpp.llama_batch_init(n, 0, 1)
         try:
             for k, token in enumerate(ids):
                 batch.token[k] = token
-                batch.pos[k] = k
+                batch.pos[k] = start + k
                 batch.n_seq_id[k] = 1
                 batch.seq_id[k][0] = 0
                 batch.logits[k] = True
             batch.n_tokens = n
             self.captured = {}
             if llama_cpp.llama_decode(self.ctx, batch) != 0:
-                raise ParityError("llama.cpp failed to decode the prompt")
+                raise ParityError(f"llama.cpp failed to decode {'the prompt' if start == 0 else f'position {start}'}")
             if "logits" not in self.captured:
                 raw = llama_cpp.llama_get_logits(self.ctx)
                 self.captured["logits"] = torch.tensor(raw[: n * self.vocab]).reshape(1, n, self.vocab)
@@ -170,18 +172,29 @@ class GGUFRun:
         self.llama_cpp.llama_model_free(self.model)
 
 
+# rel_l2 between a tensor read back from the file and the checkpoint's beyond which it is not a quantization of it:
+# F16 rounds by ~3e-4, Q8_0 by ~1e-2, Q4_K by ~0.1 and Q2_K by ~0.3 on Gaussian weights; q/k rows permuted the other
+# way differ by ~1.4, a norm weight w read as 1 + w by 1 / |w|
+NOT_A_QUANTIZATION = 0.5
+
+
 def same_weights(ckpt, path: Path, out: Path) -> dict:
     """Write into ``out`` the reference checkpoint that holds the GGUF file's own weights: dequantized to float32,
     renamed and laid out back as the checkpoint stores them (q/k rows in its RoPE style, `1 + w` norms unshifted),
     beside the reference's config, so that transformers runs what llama.cpp runs and only compute and conventions
-    are compared. Returns what the file held: {"types": {GGML type: count}, "tensors": n}."""
+    are compared. A tensor that is not a quantization of the checkpoint's (rel_l2 over NOT_A_QUANTIZATION: q/k rows
+    permuted the wrong way, a norm shifted or not, another tensor) is a porting mistake in the file, not a rounding:
+    the reference keeps the checkpoint's own there, so that the check still judges it. Returns what the file held:
+    {"types": {GGML type: count}, "tensors": n, "not_a_quantization": {checkpoint tensor: rel_l2}}."""
     import json
 
     import gguf
     from safetensors.torch import save_file
 
     from ..checkpoint import stored_tensor_map
+    from ..compare import metrics
     from ..gguf_export import neutral_name
+    from ..lazy import Dequantizer
     from ..neutral import build_manifest, restyle_rope
 
     spec = ckpt.adapter.spec.gguf
@@ -202,7 +215,8 @@ def same_weights(ckpt, path: Path, out: Path) -> dict:
                               f"layout; reading it back from GGUF is not supported")
         by_neutral[t.neutral[0]] = (hf_name, t)
     source_style = r["positions.rope_style"]
-    out_tensors, types = {}, {}
+    out_tensors, types, wrong = {}, {}, {}
+    originals = Dequantizer.of(ckpt)
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue
@@ -219,6 +233,10 @@ def same_weights(ckpt, path: Path, out: Path) -> dict:
             x = restyle_rope(name, x, manifest["layers"][int(name.split(".")[1])], spec.rope_style, source_style)
         if t.norm_offset:
             x = x - 1.0  # llama.cpp's file holds 1 + w; the checkpoint stores w
+        original = originals.read(hf_name, torch.float32)
+        error = metrics(x, original)["rel_l2"] if x.shape == original.shape else float("inf")
+        if not error <= NOT_A_QUANTIZATION:
+            wrong[hf_name], x = error, original
         out_tensors[hf_name] = x.contiguous()
     save_file(out_tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads(ckpt.config_path.read_text())
@@ -226,7 +244,7 @@ def same_weights(ckpt, path: Path, out: Path) -> dict:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (ckpt.path / name).exists():
             (out / name).write_bytes((ckpt.path / name).read_bytes())
-    return {"from": str(path), "types": types, "tensors": len(out_tensors)}
+    return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong}
 
 
 def detect(path: Path) -> bool:
@@ -252,6 +270,29 @@ def make_runner(models, path: Path, dtype, ids: torch.Tensor, feed, ckpt):
                 engine.close()
         for name in sorted(captured, key=_order):
             emit(name, captured[name])
+
+    return run
+
+
+def make_decoder(models, path: Path, dtype, ids: torch.Tensor, tokens: list[int], ckpt):
+    """The prompt, then each token as one llama.cpp decode step (its own KV cache, F32 as above), each step's
+    capture points read through the same eval callback."""
+    if ids.shape[0] != 1:
+        raise ParityError("a GGUF candidate runs one sequence at a time")
+
+    def run(emit) -> None:
+        s = ids.shape[1]
+        with _LOCK:
+            spec = ckpt.adapter.spec.gguf if ckpt is not None else None
+            engine = GGUFRun(Path(path), s + len(tokens), spec.points if spec is not None else None)
+            try:
+                engine.run(ids[0].tolist())
+                steps = [engine.run([token], start=s + k) for k, token in enumerate(tokens)]
+            finally:
+                engine.close()
+        for step, captured in enumerate(steps, 1):
+            for name in sorted(captured, key=_order):
+                emit(step, name, captured[name])
 
     return run
 

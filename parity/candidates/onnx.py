@@ -540,7 +540,10 @@ class Session:
         self.inputs = self.session.get_inputs()
         self.outputs = [o.name for o in self.session.get_outputs()]
 
-    def feeds(self, ids: torch.Tensor, path: Path) -> dict[str, np.ndarray]:
+    def feeds(self, ids: torch.Tensor, path: Path, start: int = 0,
+              past: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The graph's inputs for ``ids`` at positions ``start``, ``start + 1``, ...; past key/values are ``past``
+        (a decode step: the cache the graph returned the step before), else empty."""
         b, s = ids.shape
         out: dict[str, np.ndarray] = {}
         for i in self.inputs:
@@ -549,15 +552,16 @@ class Session:
             if name in ("input_ids", "ids", "tokens") or name.endswith("input_ids"):
                 value = ids.numpy()
             elif "attention_mask" in name:
-                value = np.ones((b, s))
+                value = np.ones((b, start + s))
             elif "position_ids" in name:
-                value = np.broadcast_to(np.arange(s), (b, s)) if len(i.shape) == 2 else np.arange(s)
+                positions = np.arange(start, start + s)
+                value = np.broadcast_to(positions, (b, s)) if len(i.shape) == 2 else positions
             elif "token_type_ids" in name:
                 value = np.zeros((b, s))
             elif name == "cache_position":
-                value = np.arange(s)
+                value = np.arange(start, start + s)
             elif "past" in name or "cache" in name:
-                value = np.zeros(self._past_shape(i.name, i.shape, b))
+                value = past[name] if past is not None else np.zeros(self._past_shape(i.name, i.shape, b))
             elif i.type == "tensor(bool)" and len(i.shape) == 0:
                 value = np.array(False)
             else:
@@ -585,6 +589,27 @@ class Session:
             else:
                 shape.append(known.get(k) or 0)
         return shape
+
+    def cache_outputs(self, path: Path) -> dict[str, str]:
+        """Each past key/value input and the output that returns it updated (``past_key_values.0.key`` and
+        ``present.0.key``, ``past.0.value`` and ``present.0.value``, ...), paired by name."""
+        def key(name: str) -> str:
+            for word in ("past_key_values", "present_key_values", "past", "present"):
+                name = name.replace(word, "")
+            return name.strip("._/")
+
+        past = [i.name for i in self.inputs if ("past" in i.name or "cache" in i.name) and i.name != "cache_position"]
+        if not past:
+            raise ParityError(f"--candidate {path}: the ONNX graph has no past key/value inputs, so it cannot decode "
+                              f"step by step; export it with a KV cache (past_key_values.* in, present.* out), or "
+                              f"drop --decode")
+        returned = {key(o): o for o in self.outputs if "present" in o}
+        missing = [name for name in past if key(name) not in returned]
+        if missing:
+            raise ParityError(f"--candidate {path}: no output returns the updated cache for {', '.join(missing[:4])} "
+                              f"(expected present.* outputs named like the past_key_values.* inputs); parity cannot "
+                              f"feed the cache back")
+        return {name: returned[key(name)] for name in past}
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -754,7 +779,7 @@ def _shorten(items: list[str], n: int = 6) -> str:
 
 def make_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed, ckpt):
     """Run the ONNX graph once and emit every capture point that could be matched."""
-    from ..runner import _forward_names
+    from ..names import compared_points
 
     if feed is not None:
         raise ParityError(f"--candidate {path}: --isolate is not possible for an ONNX graph (its layers cannot be fed "
@@ -762,7 +787,7 @@ def make_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed,
     path = onnx_file(Path(path)) or Path(path)
     options = {**getattr(models, "options", {}), "dtype": str(dtype).removeprefix("torch.")}
     layerwise = options.get("layerwise", True)
-    wanted = _forward_names(ckpt, layerwise)
+    wanted = compared_points(ckpt, layerwise)
     session, matching = _load(models, path, ckpt, wanted, options)
     notes = getattr(models, "notes", None)
     hidden, vocab = _hidden(ckpt), _vocab(ckpt)
@@ -796,3 +821,28 @@ def make_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed,
     return run
 
 
+def make_decoder(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int], ckpt):
+    """The prompt with an empty cache, then one token per step, each fed the ``present.*`` the step before
+    returned as its ``past_key_values.*`` (by name) and its position; each step's matched points are emitted."""
+    from ..names import compared_points
+
+    path = onnx_file(Path(path)) or Path(path)
+    options = {**getattr(models, "options", {}), "dtype": str(dtype).removeprefix("torch.")}
+    session, matching = _load(models, path, ckpt, compared_points(ckpt, options.get("layerwise", True)), options)
+    links = session.cache_outputs(path)
+    hidden, vocab = _hidden(ckpt), _vocab(ckpt)
+
+    def run(emit) -> None:
+        values = session.run(session.feeds(ids, path))
+        start = ids.shape[1]
+        for step, token in enumerate(tokens, 1):
+            past = {name: values[out] for name, out in links.items()}
+            values = session.run(session.feeds(torch.tensor([[token]]), path, start, past))
+            start += 1
+            for point in sorted(matching.points, key=names.point_order):
+                value = matching.points[point]["value"]
+                got = _as_point(values[value], 1, 1, vocab if point == "logits" else hidden)
+                if got is not None:
+                    emit(step, point, got)
+
+    return run

@@ -22,14 +22,17 @@ Weights (neutral names relative to the layer): ``attn.q_a.weight`` [q_lora_rank,
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import norm
+from .ops import norm
 
 
-def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                  cache_kv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None) -> Tensor:
     """MLA output [B, S, H] (what o_proj returns) in x's dtype.
 
     Args:
@@ -43,6 +46,8 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
             ``rope_style`` is (as transformers' rotary module gives them; rope.cos_sin with style
             "half"), any yarn attention factor already multiplied in.
         mask: additive [B or 1, 1, S, S] (0 where attending, -inf where not), or None.
+        cache_kv: the KV cache's hook: given this call's per-head keys and values [B, n, S, *], the ones to attend to
+            (a decode step: every cached one, this step's included).
     """
     B, S, _ = x.shape
     n, nope, rope, v_dim = spec["heads"], spec["qk_nope_head_dim"], spec["qk_rope_head_dim"], spec["v_head_dim"]
@@ -66,8 +71,10 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
 
     q = torch.cat([q_nope, q_rope], dim=-1)                         # [B, n, S, nope + rope]
     k = torch.cat([k_nope, k_rope.expand(B, n, S, rope)], dim=-1)   # [B, n, S, nope + rope]
+    if cache_kv is not None:
+        k, v = cache_kv(k, v)                                             # [B, n, T, *]
 
-    scores = torch.matmul(q, k.transpose(2, 3)) * spec["scale"]     # [B, n, S, S] model dtype
+    scores = torch.matmul(q, k.transpose(2, 3)) * spec["scale"]     # [B, n, S, T] model dtype
     if mask is not None:
         scores = scores + mask.to(scores.dtype)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

@@ -16,62 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from . import rope as rope_fn
+from .cache import KVCache
+from .ops import ACTIVATIONS, norm, softcap
 
 OnPoint = Callable[[str, torch.Tensor], None]
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_exact": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-    "relu": F.relu,
-}
-
-
-def norm(x: torch.Tensor, spec: dict, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """LayerNorm or RMSNorm over the last dim, statistics in float32 (``upcast``; "none": the model dtype).
-
-    ``weight_dtype`` says where the weight multiplies: "float32" multiplies the float32
-    normalised value and casts once; "model" casts to the model dtype first (Llama's order).
-    """
-    dtype = x.dtype
-    if spec["upcast"] == "none" and dtype != torch.float32:
-        y = _low_precision_norm(x, spec)
-    elif spec["kind"] == "layernorm":
-        y = F.layer_norm(x.float(), x.shape[-1:], None, None, spec["eps"])
-    else:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + spec["eps"])
-    if weight is None:
-        return y.to(dtype)
-    if spec["weight_dtype"] == "float32":
-        y = y * weight.float()
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(dtype)
-    y = weight * y.to(dtype)
-    return y + bias if bias is not None else y
-
-
-def _mean_in(x: torch.Tensor) -> torch.Tensor:
-    """Mean over the last dim accumulated in x's own dtype, one addition at a time, as a naive
-    low-precision kernel does (torch's reductions would quietly accumulate in float32)."""
-    acc = torch.zeros_like(x[..., :1])
-    for j in range(x.shape[-1]):
-        acc = acc + x[..., j:j + 1]
-    return acc / x.shape[-1]
-
-
-def _low_precision_norm(x: torch.Tensor, spec: dict) -> torch.Tensor:
-    """The normalisation computed entirely in the model dtype (``upcast`` "none")."""
-    if spec["kind"] == "layernorm":
-        x = x - _mean_in(x)
-    return x * torch.rsqrt(_mean_in(x * x) + spec["eps"])
-
-
-def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(x / cap): 10 -> 9.6, 30 -> 22.8, 60 -> 28.9 for cap 30."""
-    return x if not cap else torch.tanh(x / cap) * cap
-
 
 def mla_spec(att: dict) -> dict:
     """What mla.py needs of a layer's attention entry in the manifest."""
@@ -179,8 +127,9 @@ class NeutralModel:
         return torch.zeros(s, s, device=self.device).masked_fill(~allowed, float("-inf"))
 
     def attention(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor,
-                  shared: dict, i: int) -> torch.Tensor:
-        """Multi-head attention of layer i with GQA, QK/v-norms, RoPE, softcap and windows: [B, S, D] -> [B, S, D]."""
+                  shared: dict, i: int, cache: KVCache | None = None) -> torch.Tensor:
+        """Multi-head attention of layer i with GQA, QK/v-norms, RoPE, softcap and windows: [B, S, D] -> [B, S, D].
+        With a ``cache`` the prompt's keys and values are stored in it, and a decode step attends to it."""
         b, s, _ = x.shape
         h, kvh, dh = att["heads"], att["kv_heads"], att["head_dim"]
         q = linear(x, w, "attn.q")                                                   # [B, S, H*Dh]
@@ -209,22 +158,35 @@ class NeutralModel:
             k, v = k.transpose(1, 2), v.transpose(1, 2)                              # [B, K, S, Dh]
             if cos_sin is not None:
                 k = rope_fn.apply(k, *cos_sin, att["rope"])
+        decoding = cache is not None and cache.decoding
+        if decoding and att["kv_shared_from"] is None:  # the step's key joins the cached ones: [B, K, T, Dh]
+            k, v = cache.attend(i, k, v, att["sliding_window"])
+        elif cache is not None and att["kv_shared_from"] is None:
+            cache.store(i, k, v, att["sliding_window"])
         shared[i] = (k, v)  # later layers may reuse this layer's keys and values
 
-        k = k.repeat_interleave(h // kvh, dim=1)                                     # GQA: [B, H, S, Dh]
+        k = k.repeat_interleave(h // kvh, dim=1)                                     # GQA: [B, H, T, Dh]
         v = v.repeat_interleave(h // kvh, dim=1)
-        scores = torch.matmul(q, k.transpose(2, 3)) * att["scale"]                   # [B, H, S, S]
-        scores = softcap(scores, att["softcap"])
-        scores = scores + self.mask(s, att).to(scores.dtype)
+        scores = torch.matmul(q, k.transpose(2, 3)) * att["scale"]                   # [B, H, S, T]
+        if not decoding or cache.policy["decode_softcap"]:
+            scores = softcap(scores, att["softcap"])
+        if not decoding:  # a decode step's slot holds only what it may see
+            scores = scores + self.mask(s, att).to(scores.dtype)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h * dh)          # [B, S, H*Dh]
         return linear(out, w, "attn.o")
 
-    def mla(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor) -> torch.Tensor:
+    def mla(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor, i: int,
+            cache: KVCache | None = None) -> torch.Tensor:
         from .mla import mla_attention
 
         cos, sin = rope_fn.cos_sin({**att["rope"], "style": "half"}, positions)  # mla.py rotates from half tables
-        return mla_attention(x, w, mla_spec(att), cos, sin, self.mask(x.shape[1], att)[None, None])
+        if cache is not None and cache.decoding:  # per-head keys and values are cached, as transformers does
+            return mla_attention(x, w, mla_spec(att), cos, sin, None,
+                                 cache_kv=lambda k, v: cache.attend(i, k, v, None))
+        kv = None if cache is None else (lambda k, v: cache.store(i, k, v, None) or (k, v))
+        return mla_attention(x, w, mla_spec(att), cos, sin, self.mask(x.shape[1], att)[None, None],
+                             cache_kv=kv)
 
     # ---------------------------------------------------------------- MLP
 
@@ -254,14 +216,15 @@ class NeutralModel:
     # ---------------------------------------------------------------- the model
 
     def layer(self, x: torch.Tensor, i: int, positions: torch.Tensor, shared: dict,
-              per_layer: torch.Tensor | None, emit: OnPoint) -> torch.Tensor:
+              per_layer: torch.Tensor | None, emit: OnPoint, cache: KVCache | None = None) -> torch.Tensor:
         spec, w = self.m["layers"][i], self.layer_weights(i)
         n, att = spec["norms"], spec["attention"]
         p = f"layers.{i}."
 
         a_in = self._norm(x, n["attn_norm"], w, "attn_norm")
         emit(p + "attn_in", a_in)
-        a = self.mla(a_in, w, att, positions) if att["mla"] else self.attention(a_in, w, att, positions, shared, i)
+        a = self.mla(a_in, w, att, positions, i, cache) if att["mla"] else \
+            self.attention(a_in, w, att, positions, shared, i, cache)
         a = self._norm(a, n["attn_post_norm"], w, "attn_post_norm")
         emit(p + "attn_out", a)
         x = self._norm(x + a, n["attn_res_norm"], w, "attn_res_norm")
@@ -291,24 +254,36 @@ class NeutralModel:
         logits = self.vocab_linear(x, weight, self.w.get("head.bias"))               # [B, S, V]
         return softcap(logits, head["softcap"])
 
+    def new_cache(self) -> KVCache:
+        """An empty KV cache, following the manifest's ``kv_cache`` policy (a correct cache unless a decode
+        bug was injected)."""
+        return KVCache(self.m["num_layers"], self.m.get("kv_cache"))
+
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, on_point: OnPoint | None = None, token_types: torch.Tensor | None = None,
                  feed: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-                 layers: range | None = None) -> torch.Tensor:
+                 layers: range | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Run the model. ``feed(i, x)`` may replace layer i's input (i = num_layers: the head's), which is
         how a parity check isolates each layer from the error of the layers before it. ``layers``: run only
-        these (a slice of a check: the first is fed its input; the output of the last is returned)."""
+        these (a slice of a check: the first is fed its input; the output of the last is returned).
+        ``cache`` (from ``new_cache``): the first call is the prefill, each later call a decode step of one
+        token at the next position."""
         emit = on_point or (lambda name, t: None)
         feed = feed or (lambda i, x: x)
         ids = (ids if ids.dim() == 2 else ids[None]).to(self.device)
-        positions = torch.arange(ids.shape[1], device=self.device)
+        if cache is not None and cache.decoding and ids.shape[1] != 1:
+            raise ValueError("a decode step runs one token")
+        positions = (torch.arange(ids.shape[1], device=self.device) if cache is None
+                     else cache.positions(ids.shape[1], self.device))
         x = self.embed(ids, positions, token_types)
         per_layer = self.per_layer_inputs(ids, x)
         emit("embed", x)
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         span = layers if layers is not None else range(self.m["num_layers"])
         for i in span:
-            x = self.layer(feed(i, x), i, positions, shared, per_layer, emit)
+            x = self.layer(feed(i, x), i, positions, shared, per_layer, emit, cache)
+        if cache is not None:
+            cache.advance(ids.shape[1])
         if span.stop < self.m["num_layers"]:
             return x
         x = feed(self.m["num_layers"], x)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import ACTIVATIONS, norm
+from .ops import ACTIVATIONS, norm
 
 
 def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict) -> Tensor:

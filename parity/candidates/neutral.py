@@ -1,0 +1,86 @@
+"""Neutral directories (``parity convert``): run by parity's own executor, which can also run a catalogued
+porting mistake (``--inject``) exactly as a port would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import ParityError
+from ..models import Emit, Models
+
+KIND = "neutral"
+ISOLATES = True   # the executor takes each layer's input from the reference
+INJECTS = True    # --inject: the executor runs a catalogued mistake
+
+
+def detect(path: Path) -> bool:
+    return (Path(path) / "manifest.json").is_file()
+
+
+def load(models: Models, path: Path, dtype: torch.dtype, inject: str | None = None):
+    """The executor's model for a neutral directory, loaded once per check (and per injected mistake)."""
+    from .. import bugs
+    from ..executor.model import NeutralModel
+    from ..neutral import load as read
+
+    key = (KIND, str(path), dtype, inject)
+    if key not in models.loaded:
+        # an injected mistake rewrites tensors, so that candidate is held whole
+        manifest, tensors = read(path, lazy=models.stream and not inject)
+        if inject:  # the executor runs the mistake exactly as a port would
+            manifest, tensors = bugs.inject(inject, manifest, tensors, bugs.families())
+        models.loaded[key] = NeutralModel(manifest, tensors, dtype, models.device["candidate"])
+    return models.loaded[key]
+
+
+def make_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed, ckpt):
+    model = load(models, path, dtype, models.options.get("inject"))
+    layers = models.options.get("layers")
+
+    def run(emit: Emit) -> None:
+        model(ids, on_point=emit, feed=feed, layers=layers)
+
+    return run
+
+
+def make_decoder(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int], ckpt):
+    """The prompt, then one token per step through the executor's KV cache (parity.executor.cache), following
+    the manifest's cache policy (an injected decode bug changes it)."""
+    model = load(models, path, dtype, models.options.get("inject"))
+
+    def run(emit) -> None:
+        cache = model.new_cache()
+        model(ids, cache=cache)
+        for step, token in enumerate(tokens, 1):
+            model(torch.tensor([[token]]), on_point=lambda name, t: emit(step, name, t), cache=cache)
+
+    return run
+
+
+def shapes(path: Path, adapter_dirs=()) -> list:
+    """The shapes of the weights parity will hold to run it (the check decides from them whether to stream)."""
+    from ..neutral import read_manifest
+
+    return [info["shape"] for info in read_manifest(path)["tensors"].values()]
+
+
+def describe(path: Path) -> dict:
+    """What the report's candidate entry adds: how a quantized source was dequantized by convert."""
+    from ..neutral import read_manifest
+
+    q = read_manifest(path)["source"].get("quantization")
+    return {} if q is None else {"quantization": q}
+
+
+def check_span(path: Path, start: int, stop: int) -> None:
+    """A slice --layers START:STOP starts from the reference's input to layer START: a layer of the slice that
+    reuses the keys and values of an earlier layer outside it cannot run."""
+    from ..neutral import read_manifest
+
+    for i, layer in enumerate(read_manifest(path)["layers"][start:stop], start):
+        source = layer["attention"].get("kv_shared_from")
+        if source is not None and source < start:
+            raise ParityError(f"--layers {start}:{stop}: layer {i} reuses the keys and values of layer {source}; "
+                              f"start the slice at {source} or earlier")

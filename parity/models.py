@@ -1,0 +1,343 @@
+"""Models as streams of capture points: transformers checkpoints loaded for a role (reference, calibration,
+candidate), run in a background thread that hands each capture point over as it is produced, and the memory
+and devices they run on. The reference kinds (parity.references) and candidate kinds (parity.candidates) run
+through here; the runner compares what they emit.
+"""
+
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+from .checkpoint import Checkpoint
+from .errors import ParityError
+from .inputs import available_memory
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Emit = Callable[[str, torch.Tensor], None]
+Feed = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index, its input) -> the input to use
+
+
+# --------------------------------------------------------------------------------------------
+# Models as streams of capture points
+
+
+class _Done:
+    pass
+
+
+class Stream:
+    """A model run in a background thread; ``get(name)`` waits for that capture point."""
+
+    def __init__(self, run: Callable[[Emit], None], label: str, bound: int = 4):
+        self.label = label
+        self.items: queue.Queue = queue.Queue(maxsize=bound)  # 0: unbounded, the model runs ahead
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.finished = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, args=(run,), daemon=True)
+        self.thread.start()
+
+    def _main(self, run: Callable[[Emit], None]) -> None:
+        try:
+            with torch.no_grad():
+                run(lambda name, t: self.items.put((name, t.detach())))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer's thread
+            self.error = exc
+        finally:
+            self.items.put(_Done)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        while name not in self.buffer and not self.finished:
+            item = self.items.get()
+            if item is _Done:
+                self.finished = True
+                if self.error is not None:
+                    raise self.error
+                break
+            self.buffer[item[0]] = item[1]
+        return self.buffer.pop(name, None)
+
+    def drain(self) -> None:
+        while not self.finished:
+            self.get("\0")
+        self.buffer.clear()
+
+
+
+def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device: str = "cpu"):
+    """transformers' model for the checkpoint: whole (``from_pretrained``), or streamed a layer at a time
+    (parity.lazy). ``device`` "auto" with several GPUs spreads a whole model over them (accelerate's
+    device_map)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    architecture = ckpt.variant.architectures[0]
+    cls = getattr(transformers, architecture, None)
+    if cls is None:
+        raise ParityError(f"{ckpt.path}: transformers {transformers.__version__} has no {architecture}; upgrade "
+                          f"transformers or use a checkpoint of a family it supports")
+    # grouped-matmul expert kernels have no float64 version; the plain loop computes the same thing
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    try:
+        if stream:
+            from .lazy import streamed_hf
+
+            return streamed_hf(cls, ckpt, dtype, device, **extra)
+        place = {} if device == "cpu" else {"device_map": device}
+        return cls.from_pretrained(ckpt.path, attn_implementation="eager", dtype=dtype, **place, **extra).eval()
+    except (MemoryError, ParityError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a damaged checkpoint
+        text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        if "allocate" in text:  # the CPU allocator's out-of-memory error: the CLI says so
+            raise
+        raise ParityError(f"{ckpt.path}: transformers could not load it as {architecture} ({type(exc).__name__}: "
+                          f"{text[:200]}); check that its config and weights belong together") from None
+
+
+def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
+    """Pre-hooks that replace each layer's input (and the head's) by ``feed(i, input)``."""
+    from .capture import _input_value
+
+    r = ckpt.resolved
+    by_name = {c.name: c for c in r.capture}
+    targets = [(i, by_name[f"layers.{i}.out"].module) for i in range(r.num_layers)]
+    after = next((by_name[n] for n in ("final_norm", "logits") if n in by_name), None)
+    if after is not None:
+        targets.append((r.num_layers, after.module))
+    handles = []
+    for i, path in targets:
+        module = model.get_submodule(path)
+
+        def pre(mod, args, kwargs, i=i):
+            x = _input_value(mod, 0, args, kwargs)
+            new = feed(i, x)
+            if args:
+                return (new, *args[1:]), kwargs
+            key = next(iter(kwargs))
+            return args, {**kwargs, key: new}
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+
+# --------------------------------------------------------------------------------------------
+# Devices and memory
+
+
+def device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(spec: str) -> str:
+    """'cpu', 'cuda', 'cuda:N', 'mps' or 'auto' (every GPU there is, else the CPU), checked against this machine."""
+    spec = (spec or "cpu").strip().lower()
+    if spec == "auto":
+        if device_count():
+            return "auto" if device_count() > 1 else "cuda:0"
+        mps = getattr(torch.backends, "mps", None)
+        return "mps" if mps is not None and mps.is_available() else "cpu"
+    if spec == "cpu":
+        return spec
+    kind, _, index = spec.partition(":")
+    if kind == "cuda":
+        if not device_count():
+            raise ParityError(f"--device {spec}: this machine has no CUDA GPU visible to torch "
+                              f"({torch.__version__}); use --device cpu")
+        n = int(index) if index.isdigit() else 0 if not index else -1
+        if not 0 <= n < device_count():
+            raise ParityError(f"--device {spec}: expected cuda or cuda:N with N in 0..{device_count() - 1}")
+        return f"cuda:{n}"
+    if kind == "mps" and not index:
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ParityError("--device mps: this machine has no MPS device; use --device cpu")
+        return "mps"
+    raise ParityError(f"--device {spec!r} is not one of cpu, cuda, cuda:N, mps, auto")
+
+
+def _memory(device: str) -> int | None:
+    """Bytes free where a model would be placed: MemAvailable for the CPU, free memory of the GPU(s)."""
+    if device == "cpu" or device == "mps":
+        return available_memory()
+    if device == "auto":
+        return sum(torch.cuda.mem_get_info(i)[0] for i in range(device_count()))
+    return torch.cuda.mem_get_info(torch.device(device))[0]
+
+
+def _elements(shapes) -> int:
+    n = 0
+    for shape in shapes:
+        k = 1
+        for s in shape:
+            k *= s
+        n += k
+    return n
+
+def would_not_fit(ckpt: Checkpoint, dtype: str, calibrate: bool, device: str, candidate_shapes=(),
+                  candidate_device: str = "cpu") -> bool:
+    """Whether the models of a check, held whole, would take more than 80% of the memory free for them: the
+    float32 reference, the calibration reference, and the candidate at its dtype when parity runs it itself
+    (``candidate_shapes``: its weights' shapes)."""
+    params = _elements(info.shape for info in ckpt.tensors.values())
+    need = {device: params * 4}
+    if calibrate:
+        need[device] += params * (8 if dtype == "float32" else DTYPES[dtype].itemsize)
+    if candidate_shapes:
+        need[candidate_device] = need.get(candidate_device, 0) + _elements(candidate_shapes) * DTYPES[dtype].itemsize
+    for where, nbytes in need.items():
+        free = _memory(where)
+        if free is not None and nbytes > 0.8 * free:
+            return True
+    return False
+
+
+class Models:
+    """Loaded models, reused across the prompts of one check."""
+
+    def __init__(self, adapter_dirs=(), *, stream: bool = False, device: str = "cpu", candidate_device: str = "cpu"):
+        self.adapter_dirs = tuple(adapter_dirs)  # --adapters: every checkpoint of the check is read with them
+        self.stream = stream                     # weights read a layer at a time (parity.lazy)
+        self.device = {"reference": device, "calibration": device, "calibration (isolated)": device,
+                       "candidate": candidate_device}
+        self.loaded: dict = {}   # (kind, path, dtype, ...) -> a loaded model; candidate kinds cache theirs here too
+        self.options: dict = {}  # candidate options from check() (ONNX: provider, map, layerwise; neutral: inject,
+                                 # layers)
+        self.notes: dict = {}    # what a candidate runner reports back: "matching", "warnings"
+
+    def hf(self, ckpt: Checkpoint, dtype: torch.dtype, role: str = "reference"):
+        # one instance per role: the reference runs in another thread with its own hooks, so a
+        # candidate that is the same checkpoint must not share its modules
+        key = ("hf", str(ckpt.path), dtype, role)
+        if key not in self.loaded:
+            self.loaded[key] = _load_hf(ckpt, dtype, self.stream, self.device.get(role, self.device["reference"]))
+        return self.loaded[key]
+
+    def release(self, role: str) -> None:
+        """Drop the transformers model of ``role``: a later use loads it again."""
+        for key in [k for k in self.loaded if k[0] == "hf" and k[3] == role]:
+            del self.loaded[key]
+        gc.collect()
+
+
+def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
+              role: str = "reference", points: set[str] | None = None, on_layer: Callable[[int], None] | None = None,
+              last: int | None = None):
+    """A function that runs a transformers checkpoint and emits its capture points (only ``points``, when
+    given: nothing else is hooked, so nothing else is held). ``on_layer(i)`` is told when layer i is done;
+    with ``last``, the forward stops after that layer (a slice of a check needs nothing beyond it)."""
+    model = models.hf(ckpt, dtype, role)
+    capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
+    layer_paths = {c.name: c.module for c in ckpt.resolved.capture}
+    device = models.device.get(role, models.device["reference"])
+
+    def run(emit: Emit) -> None:
+        from .capture import hooks
+
+        # capture hooks first: a layer's input is reported as computed, then replaced when isolating
+        with hooks(model, capture, emit), torch.no_grad():
+            handles = _isolation_hooks(model, ckpt, feed) if feed is not None else []
+            if on_layer is not None:
+                for i in range(ckpt.resolved.num_layers):
+                    module = model.get_submodule(layer_paths[f"layers.{i}.out"])
+                    handles.append(module.register_forward_hook(lambda *_, i=i: on_layer(i)))
+            if last is not None:
+                module = model.get_submodule(layer_paths[f"layers.{last}.out"])
+                handles.append(module.register_forward_hook(_stop))
+            try:
+                model(input_ids=ids.to(_first_device(model, device)))
+            except _Enough:
+                pass
+            finally:
+                for h in handles:
+                    h.remove()
+
+    return run
+
+
+def cached_forward(model, ids: torch.Tensor, cache=None):
+    """One forward of a transformers causal LM that keeps its KV cache: (output, the cache to pass next time).
+    transformers 5.24 names the cache ``cache``; earlier releases ``past_key_values``."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=ids, use_cache=True, **({} if cache is None else {name: cache}))
+    return out, getattr(out, name, None)
+
+
+def hf_decoder(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int],
+               role: str = "candidate"):
+    """A function that runs the prompt, then each token as one decode step with transformers' cache, and emits
+    each step's capture points as ``emit(step, name, tensor)`` (step 0: the prompt)."""
+    model = models.hf(ckpt, dtype, role)
+    device = _first_device(model, models.device.get(role, models.device["reference"]))
+
+    def run(emit: Callable[[int, str, torch.Tensor], None]) -> None:
+        from .capture import hooks
+
+        step = 0
+        with hooks(model, ckpt.resolved.capture, lambda name, t: emit(step, name, t)), torch.no_grad():
+            _, cache = cached_forward(model, ids.to(device))
+            for step, token in enumerate(tokens, 1):
+                _, cache = cached_forward(model, torch.tensor([[token]], device=device), cache)
+
+    return run
+
+
+class _Enough(Exception):
+    """Raised after the last layer a slice needs: the rest of the forward is not run."""
+
+
+def _stop(*_) -> None:
+    raise _Enough
+
+
+def _first_device(model, device: str) -> torch.device:
+    """Where a model's inputs go: its embedding's device when spread over several (device_map)."""
+    if device != "auto":
+        return torch.device(device)
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+
+
+def only(run: Callable[[Emit], None], names: set[str]) -> Callable[[Emit], None]:
+    """The run, emitting only ``names``: nothing else is queued or held."""
+    return lambda emit: run(lambda name, t: emit(name, t) if name in names else None)
+
+
+def layer_inputs(num_layers: int) -> dict[str, int]:
+    """The points that are a layer's input: `embed` feeds layer 0, `layers.{i}.out` feeds layer i + 1 (the head
+    after the last); point -> the index isolation feeds it to."""
+    return {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(num_layers)}}
+
+
+class LayerInputs:
+    """The reference's input to each layer, handed from the comparing thread to an isolated calibration run in
+    its own thread (which waits for each one). ``close`` releases a waiting run when the check stops early."""
+
+    def __init__(self):
+        self.values: dict[int, torch.Tensor] = {}
+        self.closed = False
+        self.ready = threading.Condition()
+
+    def put(self, i: int, x: torch.Tensor) -> None:
+        with self.ready:
+            self.values[i] = x
+            self.ready.notify_all()
+
+    def close(self) -> None:
+        with self.ready:
+            self.closed = True
+            self.ready.notify_all()
+
+    def feed(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        with self.ready:
+            self.ready.wait_for(lambda: i in self.values or self.closed)
+            ref = self.values.pop(i, None)
+        return x if ref is None else ref.to(x.device, x.dtype)
