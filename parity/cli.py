@@ -209,13 +209,16 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
 @click.option("--debug-outputs", is_flag=True,
               help="onnx: add every capture point (embed, layers.0.attn_in, ...) as a graph output of that name.")
 @click.option("--opset", type=int, default=None, help="onnx: the ONNX opset (18-23; default: torch.onnx's).")
+@click.option("--kv-cache", is_flag=True,
+              help="onnx: add the KV cache (past_key_values.* inputs, present.* outputs), so that the graph decodes "
+                   "step by step (parity check --decode N).")
 @click.option("--inject", metavar="BUG", default=None,
               help="onnx, gguf: write a deliberately broken export with a catalogued porting mistake (see `parity bugs`).")
 @click.option("--gguf-type", type=click.Choice(["F32", "F16", "Q8_0"]), default="F32", show_default=True,
               help="gguf: how matrices are stored (norms and other vectors stay F32).")
 @click.option("--force", is_flag=True, help="Replace the output if it exists.")
 @adapters_option
-def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, inject, gguf_type, force,
+def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, kv_cache, inject, gguf_type, force,
                 adapter_dirs):
     """Rewrite a checkpoint into the neutral layout (manifest.json + model.safetensors), or export it to ONNX.
 
@@ -240,7 +243,7 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
     if target == "gguf":
         from .gguf_export import export as to_gguf
 
-        if dtype or rope_style or debug_outputs or opset is not None:
+        if dtype or rope_style or debug_outputs or opset is not None or kv_cache:
             raise ParityError("--to gguf takes --gguf-type (F32, F16, Q8_0) and --inject; the q/k layout is the one "
                               "llama.cpp's architecture expects")
         done = to_gguf(model_dir, out, qtype=gguf_type, force=force, adapter_dirs=adapter_dirs, inject=inject)
@@ -253,12 +256,12 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
         if rope_style:
             raise ParityError("--rope-style applies to --to neutral; an ONNX graph rotates as the checkpoint stores")
         done = export(model_dir, out, dtype=dtype, debug_outputs=debug_outputs, opset=opset, force=force,
-                      adapter_dirs=adapter_dirs, inject=inject)
+                      adapter_dirs=adapter_dirs, inject=inject, kv_cache=kv_cache)
         click.echo(f"wrote {out}: {done['dtype']}, {done['manifest']['source']['family']}, "
                    f"{len(done['outputs'])} output(s){', external data ' + out.name + '.data' if done['external_data'] else ''}")
         return
-    if debug_outputs or opset is not None or inject:
-        raise ParityError("--debug-outputs, --opset and --inject apply to --to onnx (for a neutral candidate, "
+    if debug_outputs or opset is not None or inject or kv_cache:
+        raise ParityError("--debug-outputs, --opset, --kv-cache and --inject apply to --to onnx (for a neutral candidate, "
                           "inject at check time: parity check --inject BUG)")
     from .neutral import convert
 

@@ -9,7 +9,11 @@ length at run time. Batch and sequence are dynamic.
 Inputs: ``input_ids`` [batch, sequence] int64, and ``token_type_ids`` where the model has token
 types. Outputs: ``logits`` (or ``last_hidden_state`` for a model without an LM head); with
 ``debug_outputs`` every other capture point too, named as in DESIGN.md (``embed``,
-``layers.0.attn_in``, ...). Initializers keep the neutral tensor names (``layers.0.attn_norm.weight``).
+``layers.0.attn_in``, ...). With ``kv_cache`` (causal language models), the executor's KV cache
+(parity/executor/cache.py) is in the graph: inputs ``past_key_values.{i}.key`` / ``.value``
+[batch, kv_heads, past_sequence, head_dim] for each layer that computes its own keys (empty for a prompt),
+outputs ``present.{i}.key`` / ``.value`` with this call's keys appended; positions start after the past. The
+cache keeps every key and the mask windows them, so a decode step attends to what the executor's ring holds. Initializers keep the neutral tensor names (``layers.0.attn_norm.weight``).
 ``metadata_props`` hold the manifest (``parity.manifest``: family, conventions, source hashes) and
 the capture points the graph outputs (``parity.capture_points``).
 
@@ -50,11 +54,15 @@ class _Exportable(torch.nn.Module):
     ``forward`` returns the final output followed by the capture points in ``points``.
     """
 
-    def __init__(self, manifest: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype, points: list[str]):
+    def __init__(self, manifest: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype, points: list[str],
+                 kv_cache: bool = False):
         super().__init__()
         from .executor.model import NeutralModel
 
         self.manifest, self.dtype, self.points = manifest, dtype, points
+        # the layers whose keys and values the graph takes in and hands back (KV-sharing layers reuse another's)
+        self.cached = [i for i, layer in enumerate(manifest["layers"])
+                       if layer["attention"]["kv_shared_from"] is None] if kv_cache else None
         for name, x in NeutralModel(manifest, tensors, dtype).w.items():  # cast as the executor casts
             *path, leaf = name.split(".")
             module = self
@@ -64,14 +72,23 @@ class _Exportable(torch.nn.Module):
                 module = getattr(module, part)
             module.register_buffer(leaf, x)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, extra=None) -> tuple[torch.Tensor, ...]:
+        """``extra``: token_type_ids (a model with token types), or the past keys and values (with a cache:
+        key, value per cached layer)."""
+        from .executor.cache import KVCache
         from .executor.model import NeutralModel
 
         weights = dict(self.named_buffers())
         model = NeutralModel(self.manifest, weights, self.dtype)
         seen: dict[str, torch.Tensor] = {}
-        out = model(input_ids, on_point=seen.__setitem__, token_types=token_type_ids)
-        return (out, *(seen[p] for p in self.points))
+        cache = None
+        if self.cached is not None:
+            cache = KVCache(self.manifest["num_layers"], evict=False)
+            cache.slots = {i: (extra[2 * k], extra[2 * k + 1]) for k, i in enumerate(self.cached)}
+            cache.length = extra[0].shape[2]
+        out = model(input_ids, on_point=seen.__setitem__, token_types=None if cache else extra, cache=cache)
+        presents = [t for i in self.cached for t in cache.slots[i]] if cache is not None else []
+        return (out, *(seen[p] for p in self.points), *presents)
 
 
 def _length_dependent_rope(manifest: dict) -> str | None:
@@ -99,11 +116,12 @@ def onnx_metadata(manifest: dict, points: list[str], output: str) -> dict[str, s
 
 
 def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bool = False, opset: int | None = None,
-           force: bool = False, adapter_dirs=(), inject: str | None = None) -> dict:
+           force: bool = False, adapter_dirs=(), inject: str | None = None, kv_cache: bool = False) -> dict:
     """Export a checkpoint directory as ONNX at ``out``; returns a summary (manifest, outputs, files).
 
     ``inject`` writes a deliberately broken export (a catalogued porting mistake, see parity bugs), so
-    that an engine team can rehearse its gate."""
+    that an engine team can rehearse its gate; a decode bug, with ``kv_cache``, is the cache policy the graph
+    runs. ``kv_cache`` adds past key/value inputs and present outputs (see the module docstring)."""
     from .neutral import convert, load
 
     dtype = dtype or "float32"
@@ -125,27 +143,35 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
                               f"graph cannot branch on; not exportable to ONNX yet")
         torch_dtype = getattr(torch, dtype)
         output = "logits" if manifest["head"] is not None else "last_hidden_state"
+        if kv_cache and (manifest["head"] is None or not all(l["attention"]["causal"] for l in manifest["layers"])):
+            raise ParityError(f"--kv-cache: a {manifest['source']['family']} model is not a causal language model; "
+                              f"export it without a cache")
         points = [p for p in manifest["capture_points"] if p != output] if debug_outputs else []
         weight_bytes = sum(_nbytes(t) for t in manifest["tensors"].values())
         external = weight_bytes > EXTERNAL_DATA_BYTES
         if inject:  # a broken export rehearses a gate on small models: its tensors are changed in memory
             from . import bugs
 
+            if bugs.get(inject).decode:
+                raise ParityError(f"--inject {inject}: a KV-cache mistake is run by parity's executor, not written "
+                                  f"into a graph; rehearse it with parity check --inject {inject} --decode N")
+
             manifest, tensors = bugs.inject(inject, *load(tmp / "neutral"), bugs.families())
-            module, source = _Exportable(manifest, tensors, torch_dtype, points).eval(), None
+            module, source = _Exportable(manifest, tensors, torch_dtype, points, kv_cache).eval(), None
             del tensors
         else:  # traced on fake tensors: the weights are read when written, a chunk at a time
             _, source = load(tmp / "neutral", lazy=True)
             with FakeTensorMode(allow_non_fake_inputs=True):
                 fake = {name: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
                         for name, info in manifest["tensors"].items()}
-                module = _Exportable(manifest, fake, torch_dtype, points).eval()
+                module = _Exportable(manifest, fake, torch_dtype, points, kv_cache).eval()
         weights = {name: x.dtype for name, x in module.named_buffers()}
         program = _torch_export(module, manifest, points, output, opset)
+        presents = _cache_names(module, "present")
         del module
         if source is not None:
             _put_weights(program, source, weights, tmp / f"{out.name}.data" if external else None)
-        _tidy(program, [output, *points], set(weights))
+        _tidy(program, [output, *points, *presents], set(weights))
         for key, value in onnx_metadata(manifest, points, output).items():
             program.model.metadata_props[key] = value
         program.model.producer_name, program.model.producer_version = "parity", __version__
@@ -159,8 +185,13 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
         _remove_tree(tmp / "neutral")
         check_file(tmp / out.name)
         files = sorted(p.name for p in tmp.iterdir())
-    return {"manifest": manifest, "outputs": [output, *points], "files": files, "external_data": external,
+    return {"manifest": manifest, "outputs": [output, *points, *presents], "files": files, "external_data": external,
             "dtype": dtype}
+
+
+def _cache_names(module: _Exportable, prefix: str) -> list[str]:
+    """The cache's graph inputs (``past_key_values``) or outputs (``present``): key, value per cached layer."""
+    return [f"{prefix}.{i}.{kv}" for i in module.cached or () for kv in ("key", "value")]
 
 
 def _put_weights(program, source, weights: dict[str, torch.dtype], data: Path | None) -> None:
@@ -208,14 +239,29 @@ def _torch_export(module: _Exportable, manifest: dict, points: list[str], output
     if manifest["embedding"]["token_types"]:
         args += (torch.zeros_like(ids),)
         names.append("token_type_ids")
-        shapes["token_type_ids"] = {0: "batch", 1: "sequence"}
+        shapes["extra"] = {0: "batch", 1: "sequence"}
+    if module.cached is not None:  # traced with 3 past positions: a dynamic size, 0 (a prompt) at run time too
+        past = []
+        for i in module.cached:
+            att = manifest["layers"][i]["attention"]
+            if att["mla"]:
+                mla = att["mla"]
+                dims = [(att["heads"], mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]),
+                        (att["heads"], mla["v_head_dim"])]
+            else:
+                dims = [(att["kv_heads"], att["head_dim"])] * 2
+            past += [torch.zeros(2, heads, 3, width, dtype=module.dtype) for heads, width in dims]
+        args += (past,)
+        names += _cache_names(module, "past_key_values")
+        shapes["extra"] = [{0: "batch", 2: "past_sequence"}] * len(past)
+    outputs = [output, *points, *_cache_names(module, "present")]
     quiet = logging.getLogger("torch.onnx")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings(), torch.no_grad(), _no_stack_traces():
             warnings.simplefilter("ignore")
-            return torch.onnx.export(module, args, dynamo=True, input_names=names, output_names=[output, *points],
+            return torch.onnx.export(module, args, dynamo=True, input_names=names, output_names=outputs,
                                      dynamic_shapes=shapes, opset_version=opset, optimize=False, verbose=False,
                                      external_data=False)
     except ParityError:

@@ -7,11 +7,11 @@ import warnings
 from pathlib import Path
 
 
-def export_ours(src: str, out: str, dtype: str) -> str:
-    """`parity convert SRC --to onnx --debug-outputs --dtype DTYPE -o OUT`."""
+def export_ours(src: str, out: str, dtype: str, kv_cache: bool = False) -> str:
+    """`parity convert SRC --to onnx --debug-outputs --dtype DTYPE -o OUT [--kv-cache]`."""
     from parity.onnx_export import export
 
-    export(Path(src), Path(out), dtype=dtype, debug_outputs=True)
+    export(Path(src), Path(out), dtype=dtype, debug_outputs=True, kv_cache=kv_cache)
     return out
 
 

@@ -72,6 +72,18 @@ def test_the_executor_cache_equals_its_uncached_forward_at_every_position(neutra
         got = torch.cat(steps, dim=1)
         assert ((got - full).norm() / full.norm()).item() < 1e-5, family
         assert cache.length == 20
+        # a sliding-window slot is a ring of window - 1 keys between calls; global slots keep all 20
+        for i, layer in enumerate(manifest["layers"]):
+            window = layer["attention"]["sliding_window"]
+            if i in cache.slots:
+                assert cache.slots[i][0].shape[2] == (window - 1 if window else 20), (family, i)
+        # keeping every key and letting the mask window them (an exported graph's cache) attends to the same
+        from parity.executor.cache import KVCache
+
+        everything = KVCache(manifest["num_layers"], evict=False)
+        kept = [model(ids[:, :3], cache=everything)] + [model(ids[:, k:k + 1], cache=everything) for k in range(3, 20)]
+        kept = torch.cat(kept, dim=1)  # the same up to summation order (masked keys add exact zeros)
+        assert ((kept - got).norm() / got.norm()).item() < 1e-6
 
 
 @pytest.mark.parametrize("family,bug,step", [
@@ -228,3 +240,47 @@ def test_a_golden_with_decode_steps_checks_an_engine_dump_with_steps_from_the_c_
     assert refused.exit_code == 2 and "first difference at step 2" in refused.stderr
     longer = CliRunner().invoke(cli, ["check", "--reference", str(golden), "--candidate", str(good), "--decode", "17"])
     assert longer.exit_code == 2 and "holds 16 decode steps" in longer.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# parity's own ONNX export with a KV cache
+
+
+@pytest.fixture(scope="module")
+def cached_onnx(tiny_dir, tmp_path_factory):
+    """cached_onnx(family) -> `parity convert --to onnx --debug-outputs --kv-cache` of its tiny checkpoint, exported
+    in two worker processes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from . import onnx_helpers
+
+    root = tmp_path_factory.mktemp("onnx-cache")
+    sources = {f: str(tiny_dir(f)) for f in DECODERS}
+    pool = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
+    futures = {f: pool.submit(onnx_helpers.export_ours, sources[f], str(root / f"{f}.onnx"), "float32", True)
+               for f in DECODERS}
+    yield lambda family: futures[family].result()
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_decode_32_passes_with_parity_own_onnx_export_with_cache(family, tiny_dir, cached_onnx):
+    """The graph takes past_key_values.* and returns present.*; parity feeds each step the cache the step before
+    returned, by name. Every point of every step is a debug output, so all are compared."""
+    report = check(tiny_dir(family), cached_onnx(family), layerwise=True, decode=32)
+    steps = _steps(report)
+    assert report.verdict == "pass", report.first_divergence
+    assert len(steps) == 32 * len(open_checkpoint(tiny_dir(family)).resolved.capture)
+    assert all(p.compared for p in steps) and max(p.rel_l2 for p in steps) < 1e-4
+    assert report.decode["top1_agreement"] == 1.0
+
+
+def test_an_onnx_export_refuses_a_cache_it_cannot_have(tiny_dir, tmp_path):
+    bert = CliRunner().invoke(cli, ["convert", str(tiny_dir("bert")), "--to", "onnx", "-o", str(tmp_path / "b.onnx"),
+                                    "--kv-cache"])
+    assert bert.exit_code == 2 and "not a causal language model" in bert.stderr
+    bug = CliRunner().invoke(cli, ["convert", str(tiny_dir("llama")), "--to", "onnx", "-o", str(tmp_path / "l.onnx"),
+                                   "--kv-cache", "--inject", "kv-cache-wrong-layer"])
+    assert bug.exit_code == 2 and "run by parity's executor" in bug.stderr
+    assert not list(tmp_path.iterdir())

@@ -1,20 +1,22 @@
 """The executor's KV cache: what an engine keeps between decode steps, written as plainly as it can be.
 
-This is the reference an engine author reads for cache semantics. A decode step runs one new token at the
-position after everything the model has seen (``length``). Each layer computes the new token's key and value
-(after RoPE, after k/v norms), appends them to its slot, and its query attends to every key the slot holds:
-no mask is needed, since a slot only ever holds the past and the present. A sliding-window layer's slot is a
-ring of ``window`` entries: the key ``window`` positions back is evicted as the new one comes in, so the new
-token sees itself and the ``window - 1`` tokens before it, exactly what the prefill's mask allows
-(key j visible from i when i - j < window). A layer that reuses another layer's keys and values (Gemma 4's
-KV sharing) reads that layer's slot. Keys are cached rotated: they are never rotated again.
+This is the reference an engine author reads for cache semantics. Every forward with a cache (the prompt, then
+each decode step of one token) runs at the positions after everything the model has seen (``length``). Each
+layer computes this call's keys and values (after RoPE, after k/v norms) and attends to the keys its slot holds
+followed by this call's, masked by absolute position as the prefill is (causal; a sliding window of W lets
+position i see keys i - W + 1 .. i). Keys are cached rotated: they are never rotated again. A layer that reuses
+another layer's keys and values (Gemma 4's KV sharing) attends to that layer's.
 
-The prefill runs the prompt with its mask as a plain forward does, then stores each layer's keys and values
-(the last ``window`` of them for a sliding-window layer).
+Then the slot keeps what later calls need. A sliding-window layer's slot is a ring: it keeps the last W - 1
+keys, so that the next token sees itself and the W - 1 before it, and no slot ever grows past the window (an
+engine's ring of W entries, written before it is read). Other slots keep every key. ``evict=False`` keeps every
+key everywhere and lets the mask do the windowing, as an exported ONNX graph does (its present.* outputs grow);
+both attend to exactly the same keys.
 
 ``POLICY`` is what a correct cache does. A decode bug of the catalog (parity.bugs) changes one entry, through
 the manifest's ``kv_cache`` section, so the executor runs the mistake an engine's cache would make; the code
-below has no special case for any bug.
+below has no special case for any bug. Each one touches only what the cache hands back, so the prompt, which
+reads nothing from the cache, is computed right.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ POLICY = {
 class KVCache:
     """Keys and values per layer slot, [B, K, T, Dh] each, and the number of tokens seen."""
 
-    def __init__(self, num_layers: int, policy: dict | None = None):
+    def __init__(self, num_layers: int, policy: dict | None = None, evict: bool = True):
         unknown = set(policy or {}) - set(POLICY)
         if unknown:
             raise ValueError(f"unknown kv_cache policy keys {sorted(unknown)}; known: {sorted(POLICY)}")
         self.policy = {**POLICY, **(policy or {})}
-        self.num_layers = num_layers
+        self.num_layers, self.evict = num_layers, evict
         self.slots: dict[int, tuple[Tensor, Tensor]] = {}
         self.length = 0
 
@@ -50,27 +52,27 @@ class KVCache:
 
     def positions(self, s: int, device) -> Tensor:
         """The positions of the next ``s`` tokens."""
-        offset = self.policy["position_offset"] if self.decoding else 0
-        return torch.arange(self.length, self.length + s, device=device) + offset
+        positions = torch.arange(self.length, self.length + s, device=device)
+        if self.policy["position_offset"] and self.decoding:
+            positions = positions + self.policy["position_offset"]
+        return positions
 
-    def store(self, i: int, k: Tensor, v: Tensor, window: int | None) -> None:
-        """Append layer i's new keys and values; a sliding-window layer keeps only its ring's entries."""
+    def extend(self, i: int, k: Tensor, v: Tensor, window: int | None) -> tuple[Tensor, Tensor]:
+        """Layer i's keys and values to attend to (its slot's, then this call's ``k``, ``v``); the slot then keeps
+        what later calls need."""
+        past = self.slots.get(i)
+        keys = (k, v) if past is None else (torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2))
         if self.policy["kv_head_order"] == "reversed":
             k, v = k.flip(1), v.flip(1)
         slot = (i + self.policy["layer_shift"]) % self.num_layers
-        if slot in self.slots:
-            old_k, old_v = self.slots[slot]
-            k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
-        if window:
-            keep = max(1, window + self.policy["window_slack"])
-            k, v = k[:, :, -keep:], v[:, :, -keep:]
+        kept = self.slots.get(slot)
+        if kept is not None:
+            k, v = torch.cat([kept[0], k], dim=2), torch.cat([kept[1], v], dim=2)
+        if window and self.evict:  # the ring: the next token and the window - 1 before it
+            keep = max(0, window + self.policy["window_slack"] - 1)
+            k, v = k[:, :, k.shape[2] - min(keep, k.shape[2]):], v[:, :, v.shape[2] - min(keep, v.shape[2]):]
         self.slots[slot] = (k, v)
-
-    def attend(self, i: int, k: Tensor, v: Tensor, window: int | None) -> tuple[Tensor, Tensor]:
-        """A decode step of layer i: store the new token's key and value, and return what layer i attends to."""
-        self.store(i, k, v, window)
-        # a slot no layer writes (only under a shifted layer map, with KV-sharing layers): just this step's key
-        return self.slots.get(i, (k, v))
+        return keys
 
     def advance(self, s: int) -> None:
         """The forward of ``s`` tokens is done."""

@@ -113,23 +113,25 @@ class NeutralModel:
 
     # ---------------------------------------------------------------- attention
 
-    def mask(self, s: int, att: dict) -> torch.Tensor:
-        """Additive [S, S] mask: causal and/or sliding window (key j visible from i when i - j < window)."""
-        i = torch.arange(s, device=self.device)[:, None]
-        j = torch.arange(s, device=self.device)[None, :]
-        allowed = torch.ones(s, s, dtype=torch.bool, device=self.device)
+    def mask(self, positions: torch.Tensor, t: int, att: dict) -> torch.Tensor:
+        """Additive [S, T] mask of the queries at ``positions`` over ``t`` keys, the last of them at the last query's
+        position: causal and/or sliding window (key j visible from i when i - j < window)."""
+        s = positions.shape[0]
+        i = positions[:, None]
+        j = (positions[-1] + 1 - t + torch.arange(t, device=self.device))[None, :]
+        allowed = torch.ones(s, t, dtype=torch.bool, device=self.device)
         if att["causal"]:
             allowed &= j <= i
         if att["sliding_window"]:
             allowed &= (i - j) < att["sliding_window"]
             if not att["causal"]:
                 allowed &= (j - i) < att["sliding_window"]
-        return torch.zeros(s, s, device=self.device).masked_fill(~allowed, float("-inf"))
+        return torch.zeros(s, t, device=self.device).masked_fill(~allowed, float("-inf"))
 
     def attention(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor,
                   shared: dict, i: int, cache: KVCache | None = None) -> torch.Tensor:
         """Multi-head attention of layer i with GQA, QK/v-norms, RoPE, softcap and windows: [B, S, D] -> [B, S, D].
-        With a ``cache`` the prompt's keys and values are stored in it, and a decode step attends to it."""
+        With a ``cache``, the keys it holds are attended to before this call's, and it keeps them for the next."""
         b, s, _ = x.shape
         h, kvh, dh = att["heads"], att["kv_heads"], att["head_dim"]
         q = linear(x, w, "attn.q")                                                   # [B, S, H*Dh]
@@ -158,20 +160,17 @@ class NeutralModel:
             k, v = k.transpose(1, 2), v.transpose(1, 2)                              # [B, K, S, Dh]
             if cos_sin is not None:
                 k = rope_fn.apply(k, *cos_sin, att["rope"])
-        decoding = cache is not None and cache.decoding
-        if decoding and att["kv_shared_from"] is None:  # the step's key joins the cached ones: [B, K, T, Dh]
-            k, v = cache.attend(i, k, v, att["sliding_window"])
-        elif cache is not None and att["kv_shared_from"] is None:
-            cache.store(i, k, v, att["sliding_window"])
+        if cache is not None and att["kv_shared_from"] is None:  # the cached keys, then this call's: [B, K, T, Dh]
+            k, v = cache.extend(i, k, v, att["sliding_window"])
         shared[i] = (k, v)  # later layers may reuse this layer's keys and values
 
+        t = k.shape[2]
         k = k.repeat_interleave(h // kvh, dim=1)                                     # GQA: [B, H, T, Dh]
         v = v.repeat_interleave(h // kvh, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * att["scale"]                   # [B, H, S, T]
-        if not decoding or cache.policy["decode_softcap"]:
+        if cache is None or cache.policy["decode_softcap"] or not cache.decoding:
             scores = softcap(scores, att["softcap"])
-        if not decoding:  # a decode step's slot holds only what it may see
-            scores = scores + self.mask(s, att).to(scores.dtype)
+        scores = scores + self.mask(positions, t, att).to(scores.dtype)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h * dh)          # [B, S, H*Dh]
         return linear(out, w, "attn.o")
@@ -181,12 +180,10 @@ class NeutralModel:
         from .mla import mla_attention
 
         cos, sin = rope_fn.cos_sin({**att["rope"], "style": "half"}, positions)  # mla.py rotates from half tables
-        if cache is not None and cache.decoding:  # per-head keys and values are cached, as transformers does
-            return mla_attention(x, w, mla_spec(att), cos, sin, None,
-                                 cache_kv=lambda k, v: cache.attend(i, k, v, None))
-        kv = None if cache is None else (lambda k, v: cache.store(i, k, v, None) or (k, v))
-        return mla_attention(x, w, mla_spec(att), cos, sin, self.mask(x.shape[1], att)[None, None],
-                             cache_kv=kv)
+        # per-head keys and values are cached, as transformers does
+        kv = None if cache is None else (lambda k, v: cache.extend(i, k, v, None))
+        t = positions.shape[0] + (0 if cache is None or i not in cache.slots else cache.slots[i][0].shape[2])
+        return mla_attention(x, w, mla_spec(att), cos, sin, self.mask(positions, t, att)[None, None], cache_kv=kv)
 
     # ---------------------------------------------------------------- MLP
 
@@ -266,13 +263,11 @@ class NeutralModel:
         """Run the model. ``feed(i, x)`` may replace layer i's input (i = num_layers: the head's), which is
         how a parity check isolates each layer from the error of the layers before it. ``layers``: run only
         these (a slice of a check: the first is fed its input; the output of the last is returned).
-        ``cache`` (from ``new_cache``): the first call is the prefill, each later call a decode step of one
-        token at the next position."""
+        ``cache`` (from ``new_cache``): the first call is the prefill, each later call continues at the next
+        positions (a decode step: one token) from what the cache holds."""
         emit = on_point or (lambda name, t: None)
         feed = feed or (lambda i, x: x)
         ids = (ids if ids.dim() == 2 else ids[None]).to(self.device)
-        if cache is not None and cache.decoding and ids.shape[1] != 1:
-            raise ValueError("a decode step runs one token")
         positions = (torch.arange(ids.shape[1], device=self.device) if cache is None
                      else cache.positions(ids.shape[1], self.device))
         x = self.embed(ids, positions, token_types)
