@@ -19,16 +19,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from check import CHECK, LLAMA_32_1B
-from harness import cli, llama_config, make_checkpoint, run
-
-
-def timed_check(reference: Path, candidate: Path, length: int, *flags: str):
-    result = run(CHECK, f"parity check --layerwise {' '.join(flags)}".strip(), "check", "--reference",
-                 str(reference), "--candidate", str(candidate), "--layerwise", "--length", str(length), *flags)
-    if result.exit != 0:
-        raise SystemExit(f"the check did not pass (exit {result.exit})")
-    return result
+from check import LLAMA_32_1B, check
+from harness import cli, llama_config, make_checkpoint
 
 
 def main() -> None:
@@ -48,8 +40,8 @@ def main() -> None:
         nbytes, _ = make_checkpoint(ckpt, llama_config(LLAMA_32_1B, torch.bfloat16), torch.bfloat16)
         print(f"Llama-3.2-1B-shaped, bfloat16: {nbytes / 1e9:.2f} GB", flush=True)
         cli("parity convert --to neutral", "convert", str(ckpt), "--to", "neutral", "-o", str(neutral))
-        prefill = timed_check(ckpt, neutral, args.length, "--no-stream")
-        decode = timed_check(ckpt, neutral, args.length, "--no-stream", "--decode", str(args.steps))
+        prefill = check(ckpt, neutral, args.length, "--no-stream")
+        decode = check(ckpt, neutral, args.length, "--no-stream", "--decode", str(args.steps))
         print(f"  decode check time / prefill check time:  {decode.seconds / prefill.seconds:.2f}")
         print(f"  prefill check peak RSS / checkpoint size: {prefill.peak / nbytes:.2f}")
         print(f"  decode check peak RSS / checkpoint size:  {decode.peak / nbytes:.2f}", flush=True)

@@ -100,17 +100,26 @@ class Decoded:
     kept: dict = field(default_factory=dict)
 
 
-def compare(models: Models, truth, run_index: int, make_decoder: Callable, candidate, ids: torch.Tensor, n: int,
-            dtype: torch.dtype, tolerances: Tolerances, wanted: list[str],
+def reference_steps(models: Models, truth, ids: torch.Tensor, n: int, wanted: list[str],
+                    progress: Callable[[str], None] | None = None) -> tuple[list[int], dict, dict]:
+    """What the reference (``truth``, parity.references) gives a decode check: the n tokens to feed, each wanted
+    point at every step [1, n, width], and their storage rounding. Computed before the candidate is loaded, so
+    that the reference model can be dropped first: the steps are small, the models are not."""
+    check_length(truth.checkpoint, ids.shape[1] + n)
+    if progress:
+        progress(f"decoding {n} tokens with the reference")
+    return truth.decode_reference(models, 0, ids, n, set(wanted))
+
+
+def compare(models: Models, truth, reference_steps: tuple[list[int], dict, dict], make_decoder: Callable, candidate,
+            ids: torch.Tensor, n: int, dtype: torch.dtype, tolerances: Tolerances, wanted: list[str],
             progress: Callable[[str], None] | None = None) -> Decoded:
     """Run the candidate's prompt and ``n`` decode steps (``make_decoder``: its kind's) and compare every step's
-    ``wanted`` points with the reference's (``truth``, parity.references) at the step's position."""
+    ``wanted`` points with the reference's (``reference_steps``) at the step's position."""
     say = progress or (lambda message: None)
     ckpt = truth.checkpoint
     s = ids.shape[1]
-    check_length(ckpt, s + n)
-    say(f"decoding {n} tokens with the reference")
-    tokens, reference, rounding = truth.decode_reference(models, run_index, ids, n, set(wanted))
+    tokens, reference, rounding = reference_steps
     wanted = [p for p in wanted if p in reference]
 
     out = Decoded()

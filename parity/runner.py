@@ -201,6 +201,11 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     if calibrate and not truth.stored and cand.same_weights is not None:
         _calibrate_to_quantization(models, report, ckpt, cand, Path(candidate), progress)
     kept_by_run: dict[int, dict] = {}  # the tensors a diagnosis needs, for each input that failed
+    if decode:  # the reference's decode steps first: then it can be dropped before the candidate is loaded
+        from . import decode as decoding
+
+        stepped = decoding.reference_steps(models, truth, all_inputs[0].ids, decode,
+                                           names.compared_points(ckpt, layerwise), progress)
     for k, inputs in enumerate(all_inputs):
         # the first input is also decoded: its decode steps reach further than its prompt
         seen, warnings = exercised(ckpt, inputs.ids.shape[1] + (decode if k == 0 else 0))
@@ -208,7 +213,7 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
         kept: dict = {"ids": inputs.ids}
         results, logits = _check_once(models, ckpt, Path(candidate), kind, inputs.ids, dtype, layerwise, isolate,
                                       calibrate, tolerances, progress, kept, truth, k, on_layer, span,
-                                      done_with_reference=k == len(all_inputs) - 1 and not generate and not decode)
+                                      done_with_reference=k == len(all_inputs) - 1 and not generate)
         failing = [p for p in results if p.compared and not p.passed]
         for p in results:
             p.run = k
@@ -221,10 +226,9 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     report.inputs = {"runs": runs}
     decoded = None
     if decode:
-        from . import decode as decoding
-
-        decoded = decoding.compare(models, truth, 0, cand.make_decoder, Path(candidate), all_inputs[0].ids, decode,
-                                   DTYPES[dtype], tolerances, names.compared_points(ckpt, layerwise), progress)
+        decoded = decoding.compare(models, truth, stepped, cand.make_decoder, Path(candidate), all_inputs[0].ids,
+                                   decode, DTYPES[dtype], tolerances, names.compared_points(ckpt, layerwise),
+                                   progress)
         report.points += decoded.points
         report.decode = decoded.summary
         report.warnings += [f"decoding does not reach the {c['what']} ({c['at']} tokens): use a larger --decode "
