@@ -111,15 +111,15 @@ def reference_steps(models: Models, truth, ids: torch.Tensor, n: int, wanted: li
     return truth.decode_reference(models, 0, ids, n, set(wanted))
 
 
-def compare(models: Models, truth, reference_steps: tuple[list[int], dict, dict], make_decoder: Callable, candidate,
+def compare(models: Models, truth, stepped: tuple[list[int], dict, dict], make_decoder: Callable, candidate,
             ids: torch.Tensor, n: int, dtype: torch.dtype, tolerances: Tolerances, wanted: list[str],
             progress: Callable[[str], None] | None = None) -> Decoded:
     """Run the candidate's prompt and ``n`` decode steps (``make_decoder``: its kind's) and compare every step's
-    ``wanted`` points with the reference's (``reference_steps``) at the step's position."""
+    ``wanted`` points with the reference's (``stepped``: from ``reference_steps``) at the step's position."""
     say = progress or (lambda message: None)
     ckpt = truth.checkpoint
     s = ids.shape[1]
-    tokens, reference, rounding = reference_steps
+    tokens, reference, rounding = stepped
     wanted = [p for p in wanted if p in reference]
 
     out = Decoded()
@@ -147,7 +147,8 @@ def compare(models: Models, truth, reference_steps: tuple[list[int], dict, dict]
         if name == "logits":
             lm = logit_metrics(got, ref)
             entry.update(kl=None if lm is None else lm["kl_mean"], top1=None if lm is None else lm["top1_agreement"])
-            out.kept.setdefault("logits", {})[step] = (got.detach().cpu(), ref.detach().cpu())
+            if out.kept.get("step", step) == step:  # only the failing step's logits are kept (or the latest)
+                out.kept["logits"] = {step: (got.detach().cpu(), ref.detach().cpu())}
         if not result.passed and "step" not in out.kept:
             out.kept.update(step=step, point=name, candidate=got.detach().cpu(), reference=ref.detach().cpu(),
                             tolerance=result.tolerance.rel_l2)

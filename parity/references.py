@@ -21,14 +21,15 @@ from .models import Emit, Models, hf_runner
 
 
 class TransformersReference:
+    """A Hugging Face checkpoint, run by transformers (eager attention, float32) each time it is asked."""
+
     kind = "transformers"
     stored = False
+    points = None  # every capture point of the adapter
 
     def __init__(self, path: Path, adapter_dirs=()):
         self.path = Path(path)
         self.checkpoint: Checkpoint = open_checkpoint(self.path, adapter_dirs)
-
-    points = None  # every capture point of the adapter
 
     def describe(self) -> dict:
         return {"kind": self.kind, "path": str(self.path)}
