@@ -299,7 +299,8 @@ class GGUFExport(_Strict):
     softcaps: bool = False          # reads attn_logit_softcapping / final_logit_softcapping
     local_rope_base: bool = False   # sliding layers rotate with rope.freq_base_swa
     # llama.cpp graph tensors whose meaning in this architecture differs from parity/candidates/gguf.py's table:
-    # {tensor name ({i}: the layer): capture point, or "" where it is none of them}
+    # {tensor name ({i}: the layer): capture point, or "" where it is none of them}; a name llama.cpp gives no
+    # layer index may still map to "layers.{i}...": the layer of the indexed tensor computed before it
     points: dict[str, str] = {}
 
 

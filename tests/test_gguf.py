@@ -18,9 +18,10 @@ pytest.importorskip("llama_cpp")
 
 GGUF_FAMILIES = sorted(f for f, a in ADAPTERS.items() if a.spec.gguf is not None)
 # the capture points llama.cpp's graph does not name, per architecture: the input embedding (named only where
-# gemma scales it) and attention's output (named by llama's model code only)
+# gemma scales it) and attention's output (named by llama's model code only); gemma2's MLP output is named, without
+# a layer index ("ffn_post_norm"), and read as the layer of the tensor before it
 NOT_NAMED = {"llama": {"embed"}, "qwen2": {"embed", "attn_out"}, "qwen3": {"embed", "attn_out"},
-             "gemma": {"attn_out"}, "gemma2": {"mlp_out"}, "gemma3": set()}
+             "gemma": {"attn_out"}, "gemma2": set(), "gemma3": set()}
 # llama.cpp's CPU GELU reads an f16 table (ggml-cpu vec.h, GGML_GELU_FP16): a GELU MLP's output differs by
 # rel_l2 ~3e-4 from the exact function (measured on the tiny Gemma: 3.0e-4 at layers.0.mlp_out, 5.0e-4 at most),
 # an engine approximation, not a port mistake; those families are judged at 1e-3.

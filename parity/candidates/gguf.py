@@ -39,11 +39,16 @@ _NE_OFFSET = 16  # struct ggml_tensor: enum ggml_type type; (padding); ggml_back
 _LOCK = threading.Lock()  # one llama.cpp run at a time: its logging and backend state are process-wide
 
 
-def _point(name: str, table: dict[str, str]) -> str | None:
+def _point(name: str, table: dict[str, str], layer: int | None = None) -> str | None:
+    """The capture point of graph tensor ``name``: ``attn_norm-3`` by its own index; a name llama.cpp gives no index
+    (gemma2's ``ffn_post_norm``) by ``layer``, the index of the indexed tensor the graph computed last."""
     m = re.fullmatch(r"(.+)-(\d+)", name)
     if m and f"{m.group(1)}-{{i}}" in table:
         return table[f"{m.group(1)}-{{i}}"].replace("{i}", m.group(2)) or None
-    return table.get(name) or None
+    point = table.get(name) or None
+    if point is not None and "{i}" in point:
+        return None if layer is None else point.replace("{i}", str(layer))
+    return point
 
 
 def _ggml():
@@ -105,6 +110,7 @@ class GGUFRun:
                               f"or an architecture, tensor or setting this llama.cpp does not know")
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.captured: dict[str, torch.Tensor] = {}
+        self.layer: int | None = None
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = max(n_tokens, 16)
@@ -122,7 +128,10 @@ class GGUFRun:
 
     def _on_tensor(self, t, ask, _user) -> bool:
         name = (self.lib.ggml_get_name(t) or b"").decode(errors="replace")
-        point = _point(name, self.points)
+        indexed = re.fullmatch(r".+-(\d+)", name)
+        if indexed:  # the graph is walked in order: an unindexed name belongs to the layer of the last indexed one
+            self.layer = int(indexed.group(1))
+        point = _point(name, self.points, self.layer)
         if ask:
             return point is not None
         if point is not None and point not in self.captured:  # the first "ffn_out" is the MLP's output
@@ -145,7 +154,7 @@ class GGUFRun:
                 batch.seq_id[k][0] = 0
                 batch.logits[k] = True
             batch.n_tokens = n
-            self.captured = {}
+            self.captured, self.layer = {}, None
             if llama_cpp.llama_decode(self.ctx, batch) != 0:
                 raise ParityError(f"llama.cpp failed to decode {'the prompt' if start == 0 else f'position {start}'}")
             if "logits" not in self.captured:
