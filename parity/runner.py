@@ -198,7 +198,8 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     models = Models(adapter_dirs, stream=stream, device=device, candidate_device=candidate_device)
     models.options = {**_candidate_options(kind, provider, maps, layerwise), "inject": inject,
                       "layers": range(span.start, span.stop), "last": span.stop - 1 if span.stop < span.of else None}
-    if calibrate and not truth.stored and cand.same_weights is not None:
+    if calibrate and not truth.stored and cand.same_weights is not None and \
+            not set(report.candidate.get("tensor_types") or {"unknown": 1}) <= {"F32"}:
         _calibrate_to_quantization(models, report, ckpt, cand, Path(candidate), progress)
     kept_by_run: dict[int, dict] = {}  # the tensors a diagnosis needs, for each input that failed
     if decode:  # the reference's decode steps first: then it can be dropped before the candidate is loaded
@@ -308,7 +309,8 @@ def _calibrate_to_quantization(models: Models, report: Report, ckpt: Checkpoint,
     """--calibrate with a quantized candidate (a GGUF of F16, Q8_0, ... matrices): each point's noise is what the
     file's quantization does to the reference, the reference run on the file's own dequantized weights against
     the reference itself, so that tolerances (10x that noise) are measured on this model and this file, not on
-    other models. The same-weights reference is loaded whole, once; an F32 file keeps the usual calibration."""
+    other models. The same-weights reference is loaded whole, once. (An all-F32 file, known from its header, keeps
+    the usual calibration.)"""
     import shutil
     import tempfile
 
@@ -323,8 +325,6 @@ def _calibrate_to_quantization(models: Models, report: Report, ckpt: Checkpoint,
     try:
         held = cand.same_weights(ckpt, candidate, tmp)
         report.warnings += _not_quantizations(held)
-        if set(held["types"]) <= {"F32"}:
-            return
         noisy = open_checkpoint(tmp, models.adapter_dirs)
         models.hf(noisy, torch.float32, "calibration")  # loaded now: the directory is removed below
     finally:

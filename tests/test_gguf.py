@@ -252,7 +252,8 @@ def test_same_weights_and_quantization_noise_do_not_absorb_a_broken_layout(gguf_
         result, report = _check(reference, out, tmp_path / f"r{mode}.json", mode)
         assert result.exit_code == 1, (mode, result.output)
         assert report["first_divergence"]["point"] == first, mode
-        assert any("not a quantization of the checkpoint's" in w for w in report["warnings"])
+        if mode == "--same-weights" or gguf_type != "F32":  # an all-F32 file is calibrated as usual: nothing read back
+            assert any("not a quantization of the checkpoint's" in w for w in report["warnings"])
         assert report["first_divergence"]["rel_l2"] > 0.3
         if mode == "--calibrate" and gguf_type == "Q8_0":  # README: 38x and 197x the quantization's noise
             assert report["first_divergence"]["noise_ratio"] > 30

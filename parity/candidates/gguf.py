@@ -256,6 +256,18 @@ def same_weights(ckpt, path: Path, out: Path) -> dict:
     return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong}
 
 
+def describe(path: Path) -> dict:
+    """What the report's candidate entry adds: how many tensors the file holds of each GGML type (its header only;
+    nothing is dequantized)."""
+    import gguf
+
+    types: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        types[kind] = types.get(kind, 0) + 1
+    return {"tensor_types": types}
+
+
 def detect(path: Path) -> bool:
     path = Path(path)
     if not path.is_file():
