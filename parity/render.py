@@ -156,10 +156,11 @@ def _rows(report: Report, per_layer: bool = False) -> list[tuple[PointResult, st
     prefill = [p for p in report.points if p.step is None]
     rows = _worst_of(_grouped(prefill, _group)) if per_layer else [(p, p.name, _status(p)) for p in prefill]
     # decode steps: one row per step, its worst point
-    return rows + _worst_of(_grouped([p for p in report.points if p.step is not None], lambda n: None))
+    return rows + _worst_of(_grouped([p for p in report.points if p.step is not None], None))
 
 
 def _grouped(points: list[PointResult], key) -> dict[str, list[PointResult]]:
+    """Points by group: ``key(name)`` for the prompt's points, "step k" for decode steps (key unused there)."""
     groups: dict[str, list[PointResult]] = {}
     for p in points:
         label = key(p.name) if p.step is None else f"step {p.step}"

@@ -198,8 +198,8 @@ def check(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise
     models = Models(adapter_dirs, stream=stream, device=device, candidate_device=candidate_device)
     models.options = {**_candidate_options(kind, provider, maps, layerwise), "inject": inject,
                       "layers": range(span.start, span.stop), "last": span.stop - 1 if span.stop < span.of else None}
-    if calibrate and not truth.stored and cand.same_weights is not None and \
-            not set(report.candidate.get("tensor_types") or {"unknown": 1}) <= {"F32"}:
+    types = report.candidate.get("tensor_types")  # a GGUF's, from its header
+    if calibrate and not truth.stored and cand.same_weights is not None and (types is None or set(types) - {"F32"}):
         _calibrate_to_quantization(models, report, ckpt, cand, Path(candidate), progress)
     kept_by_run: dict[int, dict] = {}  # the tensors a diagnosis needs, for each input that failed
     if decode:  # the reference's decode steps first: then it can be dropped before the candidate is loaded

@@ -69,8 +69,8 @@ class KVCache:
         if kept is not None:
             k, v = torch.cat([kept[0], k], dim=2), torch.cat([kept[1], v], dim=2)
         if window and self.evict:  # the ring: the next token and the window - 1 before it
-            keep = max(0, window + self.policy["window_slack"] - 1)
-            k, v = k[:, :, k.shape[2] - min(keep, k.shape[2]):], v[:, :, v.shape[2] - min(keep, v.shape[2]):]
+            start = max(0, k.shape[2] - (window + self.policy["window_slack"] - 1))
+            k, v = k[:, :, start:], v[:, :, start:]
         self.slots[slot] = (k, v)
         return keys
 
