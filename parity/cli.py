@@ -419,7 +419,8 @@ class _Progress:
 
         self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                              TextColumn("layers"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-                             console=Console(stderr=True), transient=True)
+                             # off a terminal a transient display leaves only a blank line before the report
+                             console=Console(stderr=True, quiet=not sys.stderr.isatty()), transient=True)
         self.status = self.bars.add_task("checking", total=None)
         self.models: dict[str, int] = {}
 
