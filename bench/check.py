@@ -15,7 +15,7 @@ them needs little memory):
 
 Every measured command runs in its own child process (bench/harness.py): peak RSS is the child's own (VmHWM);
 the check and the forwards time themselves from after their imports; convert and cp are timed whole.
-The forwards are `parity.runner.plain_forward`: load the model, run the prompt, no capture, no comparison.
+The forwards are `parity.checker.run.plain_forward`: load the model, run the prompt, no capture, no comparison.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ LLAMA_32_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layer
                "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True}
 
 # both import what a check imports (torch, transformers, parity) before their clocks start
-IMPORTS = "import time, torch, transformers, parity.cli, parity.runner\n"
-FORWARD = (IMPORTS + "from pathlib import Path; from parity.runner import plain_forward\n"
+IMPORTS = "import time, torch, transformers, parity.cli, parity.checker.run\n"
+FORWARD = (IMPORTS + "from pathlib import Path; from parity.checker.run import plain_forward\n"
            "path, length, stream = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == 'stream'\n"
            "t = time.perf_counter()\n"
            "plain_forward(path, torch.arange(3, length + 3)[None], stream=stream)\n"

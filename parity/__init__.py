@@ -16,8 +16,8 @@ def check(reference, candidate, **options):
         assert report, report.first_divergence
 
     Options are those of ``parity check`` (``dtype``, ``layerwise``, ``isolate``, ``calibrate``,
-    ``tolerance``, ``prompt``, ``ids``, ``length``, ``inputs_file``); see ``parity.runner.check``.
+    ``tolerance``, ``prompt``, ``ids``, ``length``, ``inputs_file``); see ``parity.checker.run.check``.
     """
-    from .runner import check as run
+    from .checker.run import check as run
 
     return run(reference, candidate, **options)

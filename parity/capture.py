@@ -17,7 +17,7 @@ from .adapter import ResolvedCapture
 from .errors import ParityError
 
 
-def _input_value(module: torch.nn.Module, arg: str | int | None, args: tuple, kwargs: dict) -> Any:
+def input_value(module: torch.nn.Module, arg: str | int | None, args: tuple, kwargs: dict) -> Any:
     params = [p for p in inspect.signature(module.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if arg is None:
@@ -53,7 +53,7 @@ def hooks(model: torch.nn.Module, points: list[ResolvedCapture],
                                   f"fix the adapter's capture map") from None
             if point.io == "input":
                 def pre(mod, args, kwargs, point=point):
-                    on_point(point.name, _input_value(mod, point.arg, args, kwargs).detach())
+                    on_point(point.name, input_value(mod, point.arg, args, kwargs).detach())
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             else:
                 def post(mod, args, output, point=point):

@@ -2,22 +2,41 @@
 
 from __future__ import annotations
 
-import json
-import os
+import signal
 import sys
-import tempfile
-import traceback
-from pathlib import Path
+import threading
 
-import click
-from rich import box
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from . import __version__
-from .adapter import load_all
-from .errors import ParityError
+def _interruptible(*signals: int) -> None:
+    """These signals raise KeyboardInterrupt, which every command turns into exit code 130 with nothing written.
+    A shell starts a background job (`parity check ... &`, a CI step's child) with SIGINT ignored, and Python
+    keeps an inherited ignore: such a check would never stop. So SIGINT is set as this module loads, before the
+    heavy imports, as Python sets it for a foreground process; main() adds SIGTERM."""
+    if threading.current_thread() is threading.main_thread():
+        for number in signals:
+            signal.signal(number, signal.default_int_handler)
+
+
+_interruptible(signal.SIGINT)
+try:  # an interrupt while the imports run ends like one during a command
+    import json
+    import os
+    import tempfile
+    import traceback
+    from pathlib import Path
+
+    import click
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from . import __version__
+    from .adapter import load_all
+    from .errors import ParityError
+except KeyboardInterrupt:
+    sys.stderr.write("parity: interrupted; nothing was written\n")
+    raise SystemExit(130) from None
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -117,11 +136,27 @@ def cli(debug):
 @cli.command("adapters", context_settings=CONTEXT)
 @adapters_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def adapters_cmd(adapter_dirs, as_json):
-    """List the model families parity knows, with their conventions in one line each."""
+@click.option("--resolved", "resolved", metavar="NAME", default=None,
+              help="Print everything adapter NAME says, as JSON, once `extends` is merged and defaults filled in.")
+def adapters_cmd(adapter_dirs, as_json, resolved):
+    """List the model families parity knows, with their conventions in one line each.
+
+    \b
+    Examples:
+      parity adapters
+      parity adapters --resolved mistral     # llama's data with mistral's differences merged in
+    """
+    from .adapter import resolved_data
     from .inspection import describe_family
 
-    rows = [dict(describe_family(a.spec), adapter=str(a.path)) for a in load_all(adapter_dirs).values()]
+    adapters = load_all(adapter_dirs)
+    if resolved is not None:
+        if resolved not in adapters:
+            raise ParityError(f"no adapter named {resolved!r}; name one of: {', '.join(adapters)} "
+                              f"(or add one with --adapters DIR)")
+        click.echo(json.dumps(resolved_data(adapters[resolved]), indent=2))
+        return
+    rows = [dict(describe_family(a.spec), adapter=str(a.path)) for a in adapters.values()]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -391,7 +426,7 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
       parity check --reference ./llama --candidate llama.onnx --layerwise --map layers.0.out=/model/layers.0/Add_1_output_0
       parity check --reference ./gemma-3-1b --candidate ./gemma-3-1b.neutral --layerwise --decode 32
     """
-    from .runner import check, check_same_weights
+    from .checker.run import check, check_same_weights
 
     report = _run_check(reference, candidate, dtype=dtype, layerwise=layerwise, isolate=isolate, calibrate=calibrate,
                         tolerance=list(tolerance), prompt=prompt, ids=_parse_id_list(ids), length=length,
@@ -484,9 +519,8 @@ def report_group():
 def report_merge_cmd(files, report_paths, junit, per_layer):
     """Join the JSON reports of `check --layers` slices into one verdict; exit 0 pass, 1 fail, 2 no verdict
     (a layer no slice covers, slices that overlap or come from different checks)."""
-    import json
-
     from . import render
+    from .jsonfile import read_json
     from .report import Report, merge_slices
 
     outputs = [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]
@@ -494,10 +528,7 @@ def report_merge_cmd(files, report_paths, junit, per_layer):
         render.check_output(path, fmt)
     reports = []
     for file in files:
-        try:
-            data = json.loads(Path(file).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ParityError(f"{file}: cannot read a JSON report ({exc})") from None
+        data = read_json(file, "give the JSON reports `parity check --layers ... --report r.json` wrote")
         reports.append((str(file), Report.from_json(data, str(file))))
     report = merge_slices(reports)
     render.console(report, _console(), per_layer=per_layer)
@@ -571,7 +602,7 @@ def golden_verify_cmd(golden, reference, report_paths, adapter_dirs):
     Example:
       parity golden verify golden/gemma-2-9b --reference ./gemma-2-9b
     """
-    from .runner import verify_golden
+    from .checker.run import verify_golden
 
     report = _run_check(golden, reference, run=verify_golden, per_layer=False, report_paths=report_paths, junit=None,
                         adapter_dirs=adapter_dirs)
@@ -605,7 +636,7 @@ def inputs_cmd(reference, out, prompt, ids, inputs_file, length, decode, adapter
       parity inputs golden/llama --decode 32 -o inputs.json
     """
     from .dumps import write_inputs
-    from .references import inputs_for
+    from .checker.sides import inputs_for
 
     rows, tokens = inputs_for(reference, prompt=prompt, ids=_parse_id_list(ids), length=length,
                               inputs_file=inputs_file, adapter_dirs=adapter_dirs, decode=decode)
@@ -630,7 +661,7 @@ def demo_cmd(report_path):
     candidate is run with `norm-offset-dropped` injected, to show a failing verdict and its diagnosis.
     """
     from . import render
-    from .runner import check
+    from .checker.run import check
     from .neutral import convert
     from .tiny import make_tiny
 
@@ -721,6 +752,7 @@ def selftest_cmd(families, dtype, md_path):
 
 def main() -> None:
     try:
+        _interruptible(signal.SIGINT, signal.SIGTERM)
         cli(prog_name="parity")
     except KeyboardInterrupt:  # outside a command (while click parses, or at exit): the same contract
         click.echo("parity: interrupted; nothing was written", err=True)

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from . import atomic, names
 from .errors import ParityError
+from .jsonfile import NOT_JSON
 from .shards import FLOAT_DTYPES, read_header
 
 SUFFIX = ".safetensors"
@@ -95,7 +96,7 @@ def parse_ids(raw: str, path: Path) -> list[list[int]]:
 
     try:
         ids = json.loads(raw)
-    except (ValueError, RecursionError):
+    except NOT_JSON:
         raise refuse("is not a JSON list of token ids") from None
     if not isinstance(ids, list) or not ids:
         raise refuse("is not a JSON list of token ids")
@@ -137,8 +138,9 @@ def _widths(ckpt) -> tuple[int, int]:
     return next(t.shape for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))
 
 
-def dump_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed, ckpt):
+def dump_runner(candidate, ids: torch.Tensor, feed):
     """Replays a dump as a candidate run: its points, in forward order, after checking its ids and shapes."""
+    path, ckpt = candidate.path, candidate.ckpt
     if feed is not None:
         raise ParityError(f"--candidate {path}: a dump holds one free run and cannot be fed the reference's layer "
                           f"inputs; drop --isolate")
@@ -177,12 +179,9 @@ def dump_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed,
                               f"{ckpt.resolved.family} model (docs/dumps.md)")
         if name == "logits" and shape[2] > width:
             padded = shape[2]
-    notes = getattr(models, "notes", None)
-    if padded is not None and notes is not None:
-        warning = (f"the dump's logits are {padded} wide for a vocabulary of {vocab} (a padded vocabulary): the first "
-                   f"{vocab} are compared")
-        if warning not in notes.setdefault("warnings", []):
-            notes["warnings"].append(warning)
+    if padded is not None:
+        candidate.notes.warn(f"the dump's logits are {padded} wide for a vocabulary of {vocab} (a padded vocabulary): the "
+                        f"first {vocab} are compared")
     stored.sort(key=names.point_order)
 
     def run(emit) -> None:
@@ -198,11 +197,12 @@ def is_dump(path: Path) -> bool:
     return Path(path).suffix == SUFFIX and Path(path).is_file()
 
 
-def dump_decoder(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int], ckpt):
+def dump_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """Replays a dump's decode steps (``decode.{point}``, stacked) as a candidate's: after checking that the
     engine ran these ids and was fed these tokens, and each stacked tensor's shape."""
+    path, ckpt = candidate.path, candidate.ckpt
     header = read_header(path, FIX)
-    dump_runner(models, path, dtype, ids, None, ckpt)  # the prompt's ids and points, checked
+    dump_runner(candidate, ids, None)  # the prompt's ids and points, checked
     raw = header.metadata.get(DECODE_TOKENS)
     if raw is None:
         raise ParityError(f"--candidate {path}: the dump holds no decode steps (no {DECODE_TOKENS!r} metadata); run "

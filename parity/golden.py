@@ -38,7 +38,8 @@ from .checkpoint import Checkpoint, check_config, inside, open_checkpoint, plain
 from .compare import Tolerances, metrics
 from .decode import decodes, greedy, prompt_length, uncached_steps
 from .inputs import Inputs, make_inputs, read_inputs_file, select_inputs
-from .models import DTYPES, Emit, LayerInputs, Models, Stream, hf_runner, layer_inputs, would_not_fit
+from .checker.noise import Twin
+from .models import DTYPES, Emit, Models, Stream, hf_runner, layer_inputs, would_not_fit
 from .errors import ParityError
 from .neutral import StrictSpec, validation_problem
 from .shards import FLOAT_DTYPES, read_header, sha256_file
@@ -117,8 +118,7 @@ class Golden:
     kind = "golden"
     stored = True  # activations and their calibrated noise are read, not computed
 
-    def runner(self, models: Models, k: int, ids: torch.Tensor, points: set[str] | None = None,
-               on_layer: Callable[[int], None] | None = None, last: int | None = None) -> Callable[[Emit], None]:
+    def runner(self, k: int, points: set[str] | None = None) -> Callable[[Emit], None]:
         """Emits run k's stored points (``points``, else all) in forward order as float32, in place of a
         transformers run."""
         file = run_file(self.path, self.runs[k]["file"])
@@ -141,14 +141,12 @@ class Golden:
                               f"more), or decode fewer steps")
         return held
 
-    def decode_reference(self, models: Models, k: int, ids: torch.Tensor, n: int, points: set[str]):
-        """(the n tokens fed when it was recorded, each step's stored points [1, n, width], their storage
-        rounding)."""
-        held = self.decode_steps(n, k)
+    def stored_steps(self, k: int, n: int, points: set[str]) -> dict[str, torch.Tensor]:
+        """Run k's first n decode steps of ``points``, as stored: point -> [1, n, width] float32."""
+        self.decode_steps(n, k)
         file = run_file(self.path, self.runs[k]["file"])
         with safe_open(file, framework="pt") as handle:
-            steps = {p: handle.get_tensor(f"{dumps.DECODE}{p}")[:, :n].float() for p in self.points if p in points}
-        return held["tokens"][:n], steps, {p: held["points"][p]["storage_rel_l2"] for p in steps}
+            return {p: handle.get_tensor(f"{dumps.DECODE}{p}")[:, :n].float() for p in self.points if p in points}
 
     def noise(self, k: int, name: str, dtype: str, isolated: bool = False) -> float | None:
         """Point ``name``'s calibrated noise in run k (measured in isolation when ``isolated``), when the golden was
@@ -364,18 +362,16 @@ def _keys(file: Path) -> set[str]:
 
 def _capture(models: Models, ckpt: Checkpoint, ids: torch.Tensor, points: list[str], dtype: str,
              calibrate: bool, storage: torch.dtype) -> tuple[dict, dict]:
-    """Run the reference (and its calibration twin); returns (stored tensors, per-point description)."""
+    """Run the reference (and its calibration twins); returns (stored tensors, per-point description)."""
     wanted = set(points)
     ref = Stream(hf_runner(models, ckpt, torch.float32, ids, points=wanted), "reference")
     other = torch.float64 if dtype == "float32" else DTYPES[dtype]
-    noisy = (Stream(hf_runner(models, ckpt, other, ids, role="calibration", points=wanted), "reference (calibration)")
-             if calibrate else None)
+    noisy = Twin(models, ckpt, other, ids, wanted) if calibrate else None
     # where the golden can feed isolated checks (it holds every layer's input), measure their noise too: the
-    # noisy reference's layers fed the float32 reference's inputs, as an isolated check will be
+    # twin's layers fed the float32 reference's inputs, as an isolated check will be
     input_of = layer_inputs(ckpt.resolved.num_layers)
-    fed = LayerInputs() if calibrate and set(input_of) <= wanted else None
-    isolated = (Stream(hf_runner(models, ckpt, other, ids, fed.feed, "calibration (isolated)", points=wanted),
-                       "reference (isolated calibration)") if fed is not None else None)
+    isolated = (Twin(models, ckpt, other, ids, wanted, fed=set(input_of.values()), role="calibration (isolated)",
+                     label="isolated calibration") if calibrate and set(input_of) <= wanted else None)
     tolerances = Tolerances(dtype)
     tensors, info = {}, {}
     try:
@@ -383,27 +379,32 @@ def _capture(models: Models, ckpt: Checkpoint, ids: torch.Tensor, points: list[s
             x = ref.get(name)
             if x is None:
                 raise ParityError(f"{ckpt.path}: the reference never produced {name}; fix the adapter's capture map")
-            if fed is not None and name in input_of:
-                fed.put(input_of[name], x)
+            if isolated is not None and name in input_of:
+                isolated.feed_layer(input_of[name], x)
             kept = x.to(storage).contiguous()
             if torch.isfinite(x).all() and not torch.isfinite(kept).all():
                 raise ParityError(f"{name} exceeds {str(storage).removeprefix('torch.')}'s range (max |x| "
                                   f"{x.abs().max().item():.4g}); record with --storage float32")
             entry = {"shape": list(x.shape), "storage_rel_l2": metrics(kept, x)["rel_l2"]}
             if noisy is not None:
-                noise = metrics(noisy.get(name), x)["rel_l2"]
+                noise = noisy.of(0, name, x)[0]
                 tolerance = tolerances.for_point(name, noise, entry["storage_rel_l2"])
                 entry.update(noise=noise, tolerance=asdict(tolerance))
             if isolated is not None:
-                entry["noise_isolated"] = metrics(isolated.get(name), x)["rel_l2"]
+                entry["noise_isolated"] = isolated.of(0, name, x)[0]
             tensors[name], info[name] = kept, entry
-    finally:
-        if fed is not None:
-            fed.close()
-        for stream in (ref, noisy, isolated):
-            if stream is not None:
-                stream.drain()
+    except BaseException:  # an error, Ctrl-C: the threads are told to end, and not waited for
+        _stop(ref, noisy, isolated, wait=False)
+        raise
+    _stop(ref, noisy, isolated, wait=True)
     return tensors, info
+
+
+def _stop(ref: Stream, *twins, wait: bool) -> None:
+    ref.stop(wait)
+    for twin in twins:
+        if twin is not None:
+            twin.close(wait)
 
 
 def record(reference: Path, out: Path, *, prompt: str | None = None, ids: list[int] | None = None,

@@ -1,7 +1,7 @@
 """Models as streams of capture points: transformers checkpoints loaded for a role (reference, calibration,
 candidate), run in a background thread that hands each capture point over as it is produced, and the memory
-and devices they run on. The reference kinds (parity.references) and candidate kinds (parity.candidates) run
-through here; the runner compares what they emit.
+and devices they run on. The sides of a check (parity.checker.sides) and candidate kinds (parity.candidates) run
+through here; the check compares what they emit.
 """
 
 from __future__ import annotations
@@ -30,26 +30,50 @@ class _Done:
     pass
 
 
+class _Stopped(Exception):
+    """Raised inside a stream's thread once its consumer has stopped it: the model's forward ends there."""
+
+
 class Stream:
-    """A model run in a background thread; ``get(name)`` waits for that capture point."""
+    """A model run in a background thread; ``get(name)`` waits for that capture point. ``stop()`` ends the run at
+    its next capture point (a check that is done with it, failed, or was interrupted does not wait for it)."""
 
     def __init__(self, run: Callable[[Emit], None], label: str, bound: int = 4):
         self.label = label
         self.items: queue.Queue = queue.Queue(maxsize=bound)  # 0: unbounded, the model runs ahead
         self.buffer: dict[str, torch.Tensor] = {}
         self.finished = False
+        self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, args=(run,), daemon=True)
         self.thread.start()
 
+    def _emit(self, name: str, t: torch.Tensor) -> None:
+        while True:  # a full queue is waited on in slices, so that a stop is seen
+            if self.stopping.is_set():
+                raise _Stopped
+            try:
+                self.items.put((name, t.detach()), timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
     def _main(self, run: Callable[[Emit], None]) -> None:
         try:
             with torch.no_grad():
-                run(lambda name, t: self.items.put((name, t.detach())))
+                run(self._emit)
+        except _Stopped:
+            pass
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer's thread
             self.error = exc
         finally:
-            self.items.put(_Done)
+            while True:  # the consumer drains the queue (or it is unbounded), unless it has left without waiting
+                try:
+                    self.items.put(_Done, timeout=0.1)
+                    break
+                except queue.Full:
+                    if self.stopping.is_set():
+                        break
 
     def get(self, name: str) -> torch.Tensor | None:
         while name not in self.buffer and not self.finished:
@@ -62,11 +86,21 @@ class Stream:
             self.buffer[item[0]] = item[1]
         return self.buffer.pop(name, None)
 
-    def drain(self) -> None:
+    def wait(self) -> None:
+        """Until the run has ended (a model that runs ahead), raising its error."""
+        self.thread.join()
         while not self.finished:
             self.get("\0")
-        self.buffer.clear()
 
+    def stop(self, wait: bool = True) -> None:
+        """End the run at its next capture point and let go of what it produced; its errors are not raised.
+        ``wait=False`` (an error or Ctrl-C in the consumer) returns at once: the thread ends on its own, and a
+        process that is exiting does not wait for a layer to finish."""
+        self.stopping.set()
+        while wait and not self.finished:
+            item = self.items.get()
+            self.finished = item is _Done
+        self.buffer.clear()
 
 
 def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device: str = "cpu"):
@@ -103,7 +137,7 @@ def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device:
 
 def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
     """Pre-hooks that replace each layer's input (and the head's) by ``feed(i, input)``."""
-    from .capture import _input_value
+    from .capture import input_value
 
     r = ckpt.resolved
     by_name = {c.name: c for c in r.capture}
@@ -116,7 +150,7 @@ def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
         module = model.get_submodule(path)
 
         def pre(mod, args, kwargs, i=i):
-            x = _input_value(mod, 0, args, kwargs)
+            x = input_value(mod, 0, args, kwargs)
             new = feed(i, x)
             if args:
                 return (new, *args[1:]), kwargs
@@ -163,7 +197,7 @@ def resolve_device(spec: str) -> str:
     raise ParityError(f"--device {spec!r} is not one of cpu, cuda, cuda:N, mps, auto")
 
 
-def _memory(device: str) -> int | None:
+def free_memory(device: str) -> int | None:
     """Bytes free where a model would be placed: MemAvailable for the CPU, free memory of the GPU(s)."""
     if device == "cpu" or device == "mps":
         return available_memory()
@@ -193,7 +227,7 @@ def would_not_fit(ckpt: Checkpoint, dtype: str, calibrate: bool, device: str, ca
     if candidate_shapes:
         need[candidate_device] = need.get(candidate_device, 0) + _elements(candidate_shapes) * DTYPES[dtype].itemsize
     for where, nbytes in need.items():
-        free = _memory(where)
+        free = free_memory(where)
         if free is not None and nbytes > 0.8 * free:
             return True
     return False
@@ -208,9 +242,6 @@ class Models:
         self.device = {"reference": device, "calibration": device, "calibration (isolated)": device,
                        "candidate": candidate_device}
         self.loaded: dict = {}   # (kind, path, dtype, ...) -> a loaded model; candidate kinds cache theirs here too
-        self.options: dict = {}  # candidate options from check() (ONNX: provider, map, layerwise; neutral: inject,
-                                 # layers)
-        self.notes: dict = {}    # what a candidate runner reports back: "matching", "warnings"
 
     def hf(self, ckpt: Checkpoint, dtype: torch.dtype, role: str = "reference"):
         # one instance per role: the reference runs in another thread with its own hooks, so a
@@ -252,7 +283,7 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
                 module = model.get_submodule(layer_paths[f"layers.{last}.out"])
                 handles.append(module.register_forward_hook(_stop))
             try:
-                model(input_ids=ids.to(_first_device(model, device)))
+                model(input_ids=ids.to(first_device(model, device)))
             except _Enough:
                 pass
             finally:
@@ -277,7 +308,7 @@ def hf_decoder(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.
     """A function that runs the prompt, then each token as one decode step with transformers' cache, and emits
     each step's capture points as ``emit(step, name, tensor)`` (step 0: the prompt)."""
     model = models.hf(ckpt, dtype, role)
-    device = _first_device(model, models.device.get(role, models.device["reference"]))
+    device = first_device(model, models.device.get(role, models.device["reference"]))
 
     def run(emit: Callable[[int, str, torch.Tensor], None]) -> None:
         from .capture import hooks
@@ -299,7 +330,7 @@ def _stop(*_) -> None:
     raise _Enough
 
 
-def _first_device(model, device: str) -> torch.device:
+def first_device(model, device: str) -> torch.device:
     """Where a model's inputs go: its embedding's device when spread over several (device_map)."""
     if device != "auto":
         return torch.device(device)
@@ -315,29 +346,3 @@ def layer_inputs(num_layers: int) -> dict[str, int]:
     """The points that are a layer's input: `embed` feeds layer 0, `layers.{i}.out` feeds layer i + 1 (the head
     after the last); point -> the index isolation feeds it to."""
     return {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(num_layers)}}
-
-
-class LayerInputs:
-    """The reference's input to each layer, handed from the comparing thread to an isolated calibration run in
-    its own thread (which waits for each one). ``close`` releases a waiting run when the check stops early."""
-
-    def __init__(self):
-        self.values: dict[int, torch.Tensor] = {}
-        self.closed = False
-        self.ready = threading.Condition()
-
-    def put(self, i: int, x: torch.Tensor) -> None:
-        with self.ready:
-            self.values[i] = x
-            self.ready.notify_all()
-
-    def close(self) -> None:
-        with self.ready:
-            self.closed = True
-            self.ready.notify_all()
-
-    def feed(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        with self.ready:
-            self.ready.wait_for(lambda: i in self.values or self.closed)
-            ref = self.values.pop(i, None)
-        return x if ref is None else ref.to(x.device, x.dtype)

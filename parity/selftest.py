@@ -20,7 +20,7 @@ from . import bugs
 from .adapter import load_all
 from .errors import ParityError
 from .neutral import convert
-from .runner import check
+from .checker.run import check
 from .tiny import make_tiny
 
 DECODE_STEPS = 32

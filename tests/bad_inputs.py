@@ -496,7 +496,7 @@ def merge(tmp: Path, files: list[Path]) -> list[str]:
 def _slices(tmp: Path, b: Built, *spans: str, **options) -> list[Path]:
     """The JSON reports of checking the tiny llama's neutral conversion one slice of layers at a time."""
     from parity.render import write as write_report
-    from parity.runner import check as run_check
+    from parity.checker.run import check as run_check
 
     files = []
     for span in spans:

@@ -20,7 +20,7 @@ from parity.decode import crossings, prompt_length
 from parity.errors import ParityError
 from parity.executor.model import NeutralModel
 from parity.neutral import load
-from parity.runner import check
+from parity.checker.run import check
 
 from .conftest import FAMILIES
 

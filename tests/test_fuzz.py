@@ -37,6 +37,7 @@ from parity.errors import ParityError
 from parity.golden import open_golden
 from parity.neutral import load
 from parity.report import Report, merge_slices
+from parity.candidates import Candidate
 from parity.models import Models
 
 from .bad_inputs import GOLDEN, build, onnx_model
@@ -218,7 +219,7 @@ def test_corrupted_goldens(world, data, monkeypatch):
             g = ends_well(open_golden, golden)
         if g is not None:  # what a check then asks of it must work
             g.inputs()
-            g.runner(None, 0, None)(lambda name, t: None)
+            g.runner(0)(lambda name, t: None)
             for name in g.points:
                 g.noise(0, name, g.dtype)
                 g.rounding(0, name)
@@ -312,8 +313,8 @@ def test_corrupted_engine_dumps(world, data):
     with scratch() as d:
         path = d / "dump.safetensors"
         save_file(tensors, path, metadata={"input_ids": ids_text})
-        run = ends_well(dumps.dump_runner, Models(), path, torch.float32, torch.tensor([built.ids]), None,
-                        world["golden"].checkpoint)
+        run = ends_well(dumps.dump_runner, Candidate(Models(), path, torch.float32, world["golden"].checkpoint),
+                        torch.tensor([built.ids]), None)
         if run is not None:
             ends_well(run, lambda name, t: None)
 
@@ -336,7 +337,8 @@ def counted_sessions(monkeypatch):
 
 def _run_onnx(world, path: Path) -> None:
     ids = torch.tensor([world["built"].ids[:6]])
-    run = ends_well(onnx_candidate.make_runner, Models(), path, torch.float32, ids, None, world["golden"].checkpoint)
+    run = ends_well(onnx_candidate.make_runner, Candidate(Models(), path, torch.float32, world["golden"].checkpoint),
+                    ids, None)
     if run is not None:
         ends_well(run, lambda name, t: None)
 
@@ -396,7 +398,7 @@ def test_external_data_never_leaves_the_model_directory(world, data, monkeypatch
 @pytest.fixture(scope="module")
 def slices(world):
     """The JSON reports of the tiny llama's two layers checked as slices."""
-    from parity.runner import check
+    from parity.checker.run import check
 
     built = world["built"]
     return [json.loads(render.WRITERS[".json"](check(built.checkpoint, built.neutral, layerwise=True, layers=span)))

@@ -15,7 +15,7 @@ import parity
 from parity.cli import cli
 from parity.errors import ParityError
 from parity.golden import open_golden, record
-from parity.runner import verify_golden as verify
+from parity.checker.run import verify_golden as verify
 from parity.neutral import convert
 from parity.tiny import make_tiny
 

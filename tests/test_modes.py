@@ -20,14 +20,15 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import parity
-from parity import bugs, names, runner
+from parity import bugs, names
+from parity.checker.judge import merge
 from parity.inputs import select_inputs
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
 from parity.compare import Tolerance
 from parity.dumps import write_dump
 from parity.executor.model import NeutralModel
-from parity.executor.rope import half_permutation
+from parity.rope import half_permutation
 from parity.golden import record
 from parity.neutral import convert, load
 from parity.onnx_export import export
@@ -201,8 +202,8 @@ def _point(name: str, rel_l2: float, tolerance: float) -> PointResult:
 def test_a_later_passing_prompt_never_hides_an_earlier_failure():
     # calibrated tolerances differ per prompt: a pass can have the larger rel_l2
     report = Report(family="llama", reference={}, candidate={}, dtype="float32", mode="free", layerwise=True)
-    runner._merge(report, [_point("logits", 1e-3, 1e-4)], None)
-    runner._merge(report, [_point("logits", 2e-3, 1e-2)], None)
+    merge(report, [_point("logits", 1e-3, 1e-4)], None)
+    merge(report, [_point("logits", 2e-3, 1e-2)], None)
     assert report.verdict == "fail" and report.first_divergence.rel_l2 == 1e-3
 
 

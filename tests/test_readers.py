@@ -21,6 +21,7 @@ from parity.checkpoint import open_checkpoint, read_config
 from parity.errors import ParityError
 from parity.golden import open_golden
 from parity.neutral import load, read_manifest
+from parity.candidates import Candidate, Notes
 from parity.models import Models
 
 from .bad_inputs import GOLDEN, build, onnx_model, safetensors_bytes, sentinel
@@ -456,11 +457,11 @@ def test_good_input_ids_metadata():
     assert dumps.parse_ids("[[1, 2], [3, 4]]", Path("d")) == [[1, 2], [3, 4]]
 
 
-def _replay(built, path: Path, models=None, feed=None) -> dict:
+def _replay(built, path: Path, models=None, feed=None, notes=None) -> dict:
     golden = open_golden(GOLDEN)
     got = {}
-    run = dumps.dump_runner(models or Models(), path, torch.float32, torch.tensor([built.ids]), feed,
-                            golden.checkpoint)
+    candidate = Candidate(models or Models(), path, torch.float32, golden.checkpoint, notes=notes or Notes())
+    run = dumps.dump_runner(candidate, torch.tensor([built.ids]), feed)
     run(lambda name, t: got.__setitem__(name, t))
     return got
 
@@ -490,11 +491,11 @@ def test_a_dump_of_the_wrong_shape_or_dtype_is_refused(tmp_path, built, change, 
 def test_a_padded_vocabulary_is_sliced_with_a_warning(tmp_path, built):
     pad = lambda t: t.update(logits=torch.cat([t["logits"], torch.full((1, 80, 64), -1e4)], -1))  # noqa: E731
     path = _dump(tmp_path, built, pad)
-    models = Models()
-    got = _replay(built, path, models)
+    notes = Notes()
+    got = _replay(built, path, notes=notes)
     assert got["logits"].shape == (1, 80, 256)
     assert torch.equal(got["logits"], load_file(built.dump)["logits"])
-    assert any("320 wide for a vocabulary of 256" in w for w in models.notes["warnings"])
+    assert any("320 wide for a vocabulary of 256" in w for w in notes.warnings)
     report = parity.check(GOLDEN, path, layerwise=True)
     assert report.verdict == "pass" and any("padded vocabulary" in w for w in report.warnings)
 
@@ -520,8 +521,8 @@ def no_onnxruntime(monkeypatch):
 
 def _run_onnx(path: Path, built) -> None:
     golden = open_golden(GOLDEN)
-    run = onnx_candidate.make_runner(Models(), path, torch.float32, torch.tensor([built.ids[:4]]), None,
-                                     golden.checkpoint)
+    run = onnx_candidate.make_runner(Candidate(Models(), path, torch.float32, golden.checkpoint),
+                                     torch.tensor([built.ids[:4]]), None)
     run(lambda name, t: None)
 
 

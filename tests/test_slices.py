@@ -8,7 +8,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from parity import runner
+from parity.checker import run as runner
+from parity.checker.plan import Span, parse_layers
 from parity.cli import cli
 from parity.errors import ParityError
 from parity.golden import record
@@ -37,7 +38,7 @@ def test_slices_merge_to_the_whole_verdict(gemma2, reference, inject, tmp_path):
         part = runner.check(ref, neutral, layerwise=True, inject=inject, layers=span,
                             checkpoint=ckpt if ref == golden else None)
         assert part.layers == {"start": k, "stop": k + 1, "of": 2}
-        assert {p.name for p in part.points} == {p.name for p in whole.points if runner.Span(k, k + 1, 2).holds(p.name)}
+        assert {p.name for p in part.points} == {p.name for p in whole.points if Span(k, k + 1, 2).holds(p.name)}
         files.append(tmp_path / f"slice{k}.json")
         files[-1].write_text(json.dumps(part.to_json()))
     result = CliRunner().invoke(cli, ["report", "merge", *map(str, files), "-o", str(tmp_path / "merged.json")])
@@ -66,8 +67,8 @@ def test_bad_slices_are_refused(gemma2):
             runner.check(ckpt, neutral, layers=spec)
     with pytest.raises(ParityError, match="--generate"):
         runner.check(ckpt, neutral, layers="0:1", generate=2)
-    assert runner.parse_layers(":1", 2) == runner.Span(0, 1, 2)
-    assert runner.parse_layers("1:", 2) == runner.Span(1, 2, 2)
+    assert parse_layers(":1", 2) == Span(0, 1, 2)
+    assert parse_layers("1:", 2) == Span(1, 2, 2)
 
 
 def test_a_slice_runs_only_its_layers(gemma2, monkeypatch):

@@ -12,7 +12,9 @@ import pytest
 import torch
 import transformers
 
-from parity import candidates, lazy, models, runner
+from parity import candidates, lazy, models
+from parity.checker import prefill
+from parity.checker import run as runner
 from parity.candidates import neutral as neutral_kind
 from parity.inputs import make_inputs
 from parity.checkpoint import open_checkpoint
@@ -105,9 +107,9 @@ def test_streamed_check_still_fails_a_broken_port(tiny_dir, neutral_dir):
 def test_streaming_turns_on_when_the_models_would_not_fit(tiny_dir, neutral_dir, monkeypatch):
     ckpt = open_checkpoint(tiny_dir("llama"))
     shapes = candidates.get("neutral").shapes(neutral_dir("llama"))
-    monkeypatch.setattr(models, "_memory", lambda device: 10**12)
+    monkeypatch.setattr(models, "free_memory", lambda device: 10**12)
     assert not models.would_not_fit(ckpt, "float32", False, "cpu", shapes)
-    monkeypatch.setattr(models, "_memory", lambda device: 4096)
+    monkeypatch.setattr(models, "free_memory", lambda device: 4096)
     assert models.would_not_fit(ckpt, "float32", False, "cpu", shapes)
     used = []
     monkeypatch.setattr(lazy, "streamed_hf", lambda *a, **k: used.append(True) or
@@ -152,7 +154,7 @@ def test_held_whole_the_reference_runs_first_and_is_dropped_before_the_candidate
     assert ahead and held == [[]]
     # points too many to hold beside the models: the two run in step, the reference held throughout
     held.clear()
-    monkeypatch.setattr(runner, "_points_fit", lambda *args: False)
+    monkeypatch.setattr(prefill, "points_fit", lambda *args: False)
     in_step = runner.check(tiny_dir("llama"), neutral_dir("llama"), layerwise=True, stream=False)
     assert in_step and len(held) == 1 and len(held[0]) == 1
     assert [(p.name, p.rel_l2) for p in in_step.points] == [(p.name, p.rel_l2) for p in ahead.points]

@@ -4,37 +4,76 @@ A kind is one module of this package that defines::
 
     KIND = "gguf"                                   # its name in reports
     def detect(path) -> bool                        # is this path one of mine?
-    def make_runner(models, path, dtype, ids, feed, ckpt) -> run(emit)
-                                                    # run(emit) calls emit(point, tensor [1, S, width]) per capture point
-                                                    # (models: parity.models.Models; models.options holds the check's
-                                                    # options for candidates)
+    def make_runner(candidate, ids, feed) -> run(emit)
+                                                    # run(emit) calls emit(point, tensor [1, S, width]) per capture
+                                                    # point; candidate: a Candidate (below): the check's models,
+                                                    # the path, dtype, reference checkpoint, options, notes
 
 and optionally::
 
     ISOLATES = False                                # can be fed the reference's layer inputs (feed)
-    INJECTS = False                                 # runs a catalogued mistake (--inject)
+    OPTIONS = ()                                    # the fields of Options this kind reads; a user option outside
+                                                    # them (e.g. --provider for a GGUF) is refused by the plan
     def validate(path, adapter_dirs)                # refuse a bad candidate before any model is loaded
     def shapes(path, adapter_dirs) -> [shape]       # the weights parity holds to run it (to decide on streaming)
     def describe(path) -> dict                      # what the report's candidate entry adds
     def check_span(path, start, stop)               # refuse a --layers slice it cannot run
-    def make_decoder(models, path, dtype, ids, tokens, ckpt) -> run(emit)
+    def make_decoder(candidate, ids, tokens) -> run(emit)
                                                     # --decode: the prompt, then one step per token with its own
                                                     # cache; emit(step, point, tensor [1, 1, width]) for steps 1..
     def same_weights(ckpt, path, out) -> dict       # write a reference holding its own weights (--same-weights)
 
-and one line in KINDS below. The runner depends only on this protocol: it never imports a kind's module, which
-is loaded on first use (an engine's Python bindings are imported only when its files are checked).
+and one line in KINDS below. The check (parity.checker) depends only on this protocol: it never imports a kind's
+module, which is loaded on first use (an engine's Python bindings are imported only when its files are checked).
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 # Detection order: the first kind whose detect() accepts a path runs it.
 KINDS = ("dump", "onnx", "gguf", "neutral", "huggingface")
+
+
+@dataclass(frozen=True)
+class Options:
+    """A candidate's options, fixed by the check's plan before anything runs. A kind reads only the fields its
+    OPTIONS names; the rest keep their defaults."""
+
+    layerwise: bool = True                     # every capture point is compared, not only the final output
+    provider: str | None = None                # ONNX: the onnxruntime execution provider (--provider)
+    map: tuple[tuple[str, str], ...] = ()      # ONNX: (point, graph value) pairs (--map)
+    inject: str | None = None                  # neutral: the catalogued mistake the executor runs (--inject)
+    layers: range | None = None                # the layers a slice runs (--layers)
+    last: int | None = None                    # the last layer a slice needs (None: run to the end)
+
+
+class Notes:
+    """What a side reports back while it runs: warnings for the report (each once) and, for a graph, how its
+    values were matched to capture points."""
+
+    def __init__(self):
+        self.warnings: list[str] = []
+        self.matching: dict | None = None
+
+    def warn(self, text: str) -> None:
+        if text not in self.warnings:
+            self.warnings.append(text)
+
+
+@dataclass
+class Candidate:
+    """A candidate as its kind's runner sees it."""
+
+    models: Any                 # parity.models.Models: loaded models, devices, streaming
+    path: Path
+    dtype: Any                  # torch.dtype the side computes in
+    ckpt: Any                   # the reference's parity.checkpoint.Checkpoint (config, adapter)
+    options: Options = field(default_factory=Options)
+    notes: Notes = field(default_factory=Notes)
 
 
 @dataclass(frozen=True)
@@ -43,13 +82,17 @@ class Kind:
     detect: Callable[[Path], bool]
     make_runner: Callable
     isolates: bool = False
-    injects: bool = False
+    options: tuple[str, ...] = ()
     validate: Callable | None = None
     shapes: Callable | None = None
     describe: Callable | None = None
     check_span: Callable | None = None
     make_decoder: Callable | None = None
     same_weights: Callable | None = None
+
+    @property
+    def injects(self) -> bool:
+        return "inject" in self.options
 
 
 _loaded: dict[str, Kind] = {}
@@ -61,7 +104,7 @@ def kinds() -> dict[str, Kind]:
         if module not in _loaded:
             m = importlib.import_module(f"{__name__}.{module}")
             _loaded[module] = Kind(m.KIND, m.detect, m.make_runner, getattr(m, "ISOLATES", False),
-                                   getattr(m, "INJECTS", False),
+                                   tuple(getattr(m, "OPTIONS", ())),
                                    *(getattr(m, f, None) for f in ("validate", "shapes", "describe", "check_span",
                                                                    "make_decoder", "same_weights")))
     return {k.name: k for k in (_loaded[m] for m in KINDS)}

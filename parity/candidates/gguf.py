@@ -276,7 +276,8 @@ def detect(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def make_runner(models, path: Path, dtype, ids: torch.Tensor, feed, ckpt):
+def make_runner(candidate, ids: torch.Tensor, feed):
+    path, ckpt = candidate.path, candidate.ckpt
     if ids.shape[0] != 1:
         raise ParityError("a GGUF candidate runs one sequence at a time")
 
@@ -286,7 +287,7 @@ def make_runner(models, path: Path, dtype, ids: torch.Tensor, feed, ckpt):
             engine = GGUFRun(Path(path), ids.shape[1], spec.points if spec is not None else None)
             try:
                 captured = engine.run(ids[0].tolist())
-                _compare_tokenization(models, ckpt, engine, ids[0].tolist())
+                _compare_tokenization(candidate.notes, ckpt, engine, ids[0].tolist())
             finally:
                 engine.close()
         for name in sorted(captured, key=_order):
@@ -295,9 +296,10 @@ def make_runner(models, path: Path, dtype, ids: torch.Tensor, feed, ckpt):
     return run
 
 
-def make_decoder(models, path: Path, dtype, ids: torch.Tensor, tokens: list[int], ckpt):
+def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The prompt, then each token as one llama.cpp decode step (its own KV cache, F32 as above), each step's
     capture points read through the same eval callback."""
+    path, ckpt = candidate.path, candidate.ckpt
     if ids.shape[0] != 1:
         raise ParityError("a GGUF candidate runs one sequence at a time")
 
@@ -318,13 +320,12 @@ def make_decoder(models, path: Path, dtype, ids: torch.Tensor, tokens: list[int]
     return run
 
 
-def _compare_tokenization(models, ckpt, engine: GGUFRun, ids: list[int]) -> None:
+def _compare_tokenization(notes, ckpt, engine: GGUFRun, ids: list[int]) -> None:
     """The prompt's text (the reference's ids, decoded by its tokenizer) re-tokenized by llama.cpp with the file's
     own vocabulary: a different split is a porting bug of its own, reported as a warning (the check itself feeds
     the reference's ids)."""
     path = getattr(ckpt, "path", None)
-    notes = getattr(models, "notes", None)
-    if path is None or notes is None or not (Path(path) / "tokenizer.json").is_file():
+    if path is None or not (Path(path) / "tokenizer.json").is_file():
         return
     from tokenizers import Tokenizer
 
@@ -340,8 +341,7 @@ def _compare_tokenization(models, ckpt, engine: GGUFRun, ids: list[int]) -> None
     warning = (f"llama.cpp's tokenizer (the GGUF's own vocabulary) splits this prompt otherwise: {len(theirs)} ids "
                f"for the reference's {len(ids)}, first different at position {k} (reference "
                f"{ids[k] if k < len(ids) else 'nothing'}, llama.cpp {got}); the check fed the reference's ids")
-    if warning not in notes.setdefault("warnings", []):
-        notes["warnings"].append(warning)
+    notes.warn(warning)
 
 
 def _order(name: str):

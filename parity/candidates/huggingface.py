@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import inventory, open_checkpoint, refuse_mismatched, weight_files
-from ..models import Models, hf_decoder, hf_runner
+from ..models import hf_decoder, hf_runner
 
 KIND = "transformers"
-ISOLATES = True  # pre-hooks replace each layer's input
+ISOLATES = True     # pre-hooks replace each layer's input
+OPTIONS = ("last",)  # a slice stops after its last layer
 
 
 def detect(path: Path) -> bool:
@@ -23,14 +24,14 @@ def validate(path: Path, adapter_dirs=()) -> None:
     refuse_mismatched(open_checkpoint(Path(path), adapter_dirs), "--candidate")
 
 
-def make_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed, ckpt):
-    return hf_runner(models, open_checkpoint(Path(path), models.adapter_dirs), dtype, ids, feed, "candidate",
-                     last=models.options.get("last"))
+def make_runner(candidate, ids: torch.Tensor, feed):
+    ckpt = open_checkpoint(Path(candidate.path), candidate.models.adapter_dirs)
+    return hf_runner(candidate.models, ckpt, candidate.dtype, ids, feed, "candidate", last=candidate.options.last)
 
 
-def make_decoder(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int], ckpt):
+def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """Decoded with transformers' own cache classes (the cache its config asks for), which checks them too."""
-    return hf_decoder(models, open_checkpoint(Path(path), models.adapter_dirs), dtype, ids, tokens)
+    return hf_decoder(candidate.models, open_checkpoint(Path(candidate.path), candidate.models.adapter_dirs), candidate.dtype, ids, tokens)
 
 
 def shapes(path: Path, adapter_dirs=()) -> list:

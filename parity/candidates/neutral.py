@@ -11,8 +11,8 @@ from ..errors import ParityError
 from ..models import Emit, Models
 
 KIND = "neutral"
-ISOLATES = True   # the executor takes each layer's input from the reference
-INJECTS = True    # --inject: the executor runs a catalogued mistake
+ISOLATES = True                    # the executor takes each layer's input from the reference
+OPTIONS = ("inject", "layers")     # --inject: the executor runs a catalogued mistake; --layers: a slice
 
 
 def detect(path: Path) -> bool:
@@ -35,20 +35,19 @@ def load(models: Models, path: Path, dtype: torch.dtype, inject: str | None = No
     return models.loaded[key]
 
 
-def make_runner(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed, ckpt):
-    model = load(models, path, dtype, models.options.get("inject"))
-    layers = models.options.get("layers")
+def make_runner(candidate, ids: torch.Tensor, feed):
+    model = load(candidate.models, candidate.path, candidate.dtype, candidate.options.inject)
 
     def run(emit: Emit) -> None:
-        model(ids, on_point=emit, feed=feed, layers=layers)
+        model(ids, on_point=emit, feed=feed, layers=candidate.options.layers)
 
     return run
 
 
-def make_decoder(models: Models, path: Path, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int], ckpt):
+def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The prompt, then one token per step through the executor's KV cache (parity.executor.cache), following
     the manifest's cache policy (an injected decode bug changes it)."""
-    model = load(models, path, dtype, models.options.get("inject"))
+    model = load(candidate.models, candidate.path, candidate.dtype, candidate.options.inject)
 
     def run(emit) -> None:
         cache = model.new_cache()

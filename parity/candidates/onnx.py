@@ -39,6 +39,7 @@ from ..checkpoint import inside as in_directory
 from ..errors import ParityError
 
 KIND = "onnx"
+OPTIONS = ("layerwise", "provider", "map")  # the graph values matched to points, the provider that runs them
 FUSED_NORMS = {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
 SKIP_NORMS = {"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}
 ELEMENTWISE_WITH_CONSTANT = {"Mul", "Add", "Div", "Sub"}
@@ -631,9 +632,10 @@ def _numpy_dtype(onnx_type: str):
     return kinds[onnx_type]
 
 
-def _load(models, path: Path, ckpt, wanted: list[str], options: dict) -> tuple[Session, Matching]:
+def _load(candidate, path: Path, wanted: list[str]) -> tuple[Session, Matching]:
     """The session and matching for these points (cached across the prompts of one check)."""
-    key = ("onnx", str(path), options.get("provider"), tuple(wanted), tuple(sorted(options.get("map", {}).items())))
+    models, ckpt, options = candidate.models, candidate.ckpt, candidate.options
+    key = ("onnx", str(path), options.provider, tuple(wanted), options.map)
     if key not in models.loaded:
         model = open_model(path)
         metadata = _metadata(model)
@@ -642,9 +644,9 @@ def _load(models, path: Path, ckpt, wanted: list[str], options: dict) -> tuple[S
         except Exception as exc:  # noqa: BLE001 - a graph that parses but cannot be indexed is damaged
             raise ParityError(f"{path}: not a well-formed ONNX graph ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); export it again") from None
-        matching = match(g, ckpt, wanted, options.get("map", {}), metadata)
-        _warn_about(matching, metadata, ckpt, options.get("dtype"), g)
-        session = Session(path, [m["value"] for m in matching.points.values()], options.get("provider"), g, ckpt)
+        matching = match(g, ckpt, wanted, dict(options.map), metadata)
+        _warn_about(matching, metadata, ckpt, str(candidate.dtype).removeprefix("torch."), g)
+        session = Session(path, [m["value"] for m in matching.points.values()], options.provider, g, ckpt)
         models.loaded[key] = (session, matching)
     return models.loaded[key]
 
@@ -777,19 +779,17 @@ def _shorten(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def make_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed, ckpt):
+def make_runner(candidate, ids: torch.Tensor, feed):
     """Run the ONNX graph once and emit every capture point that could be matched."""
     from ..names import compared_points
 
     if feed is not None:
-        raise ParityError(f"--candidate {path}: --isolate is not possible for an ONNX graph (its layers cannot be fed "
-                          f"the reference's inputs); run without --isolate")
-    path = onnx_file(Path(path)) or Path(path)
-    options = {**getattr(models, "options", {}), "dtype": str(dtype).removeprefix("torch.")}
-    layerwise = options.get("layerwise", True)
+        raise ParityError(f"--candidate {candidate.path}: --isolate is not possible for an ONNX graph (its layers cannot be "
+                          f"fed the reference's inputs); run without --isolate")
+    path, ckpt, notes = onnx_file(Path(candidate.path)) or Path(candidate.path), candidate.ckpt, candidate.notes
+    layerwise = candidate.options.layerwise
     wanted = compared_points(ckpt, layerwise)
-    session, matching = _load(models, path, ckpt, wanted, options)
-    notes = getattr(models, "notes", None)
+    session, matching = _load(candidate, path, wanted)
     hidden, vocab = _hidden(ckpt), _vocab(ckpt)
 
     def run(emit) -> None:
@@ -803,32 +803,28 @@ def make_runner(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, feed,
                 unmatched[point] = f"{value} has shape {list(values[value].shape)}, not [{b}, {s}, width]"
                 continue
             emit(point, got)
-        if notes is not None:
-            matched = {p: m for p, m in matching.points.items() if p not in unmatched}
-            notes["matching"] = {"points": matched, "unmatched": unmatched}
-            warnings = list(matching.warnings)
-            if layerwise and len(wanted) > 1 and not set(matched) - {wanted[-1]}:
-                warnings.append(f"no capture point of the ONNX graph could be matched beyond the final output: only "
-                                f"{wanted[-1]} is compared; name values with --map POINT=VALUE")
-            elif layerwise and unmatched:
-                warnings.append(f"{len(matched)} of {len(wanted)} capture points were found in the ONNX graph; not "
-                                f"compared: {_shorten(sorted(unmatched, key=names.point_order))}")
-            notes.setdefault("warnings", [])
-            for w in warnings:
-                if w not in notes["warnings"]:
-                    notes["warnings"].append(w)
+        matched = {p: m for p, m in matching.points.items() if p not in unmatched}
+        notes.matching = {"points": matched, "unmatched": unmatched}
+        warnings = list(matching.warnings)
+        if layerwise and len(wanted) > 1 and not set(matched) - {wanted[-1]}:
+            warnings.append(f"no capture point of the ONNX graph could be matched beyond the final output: only "
+                            f"{wanted[-1]} is compared; name values with --map POINT=VALUE")
+        elif layerwise and unmatched:
+            warnings.append(f"{len(matched)} of {len(wanted)} capture points were found in the ONNX graph; not "
+                            f"compared: {_shorten(sorted(unmatched, key=names.point_order))}")
+        for w in warnings:
+            notes.warn(w)
 
     return run
 
 
-def make_decoder(models, path: Path, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int], ckpt):
+def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The prompt with an empty cache, then one token per step, each fed the ``present.*`` the step before
     returned as its ``past_key_values.*`` (by name) and its position; each step's matched points are emitted."""
     from ..names import compared_points
 
-    path = onnx_file(Path(path)) or Path(path)
-    options = {**getattr(models, "options", {}), "dtype": str(dtype).removeprefix("torch.")}
-    session, matching = _load(models, path, ckpt, compared_points(ckpt, options.get("layerwise", True)), options)
+    path, ckpt = onnx_file(Path(candidate.path)) or Path(candidate.path), candidate.ckpt
+    session, matching = _load(candidate, path, compared_points(ckpt, candidate.options.layerwise))
     links = session.cache_outputs(path)
     hidden, vocab = _hidden(ckpt), _vocab(ckpt)
 

@@ -1,0 +1,231 @@
+"""A check's plan: the options, checked and fixed once, before any model loads.
+
+Every refusal is made here (a check must not run for an hour and then find an option it cannot honour), and
+everything the run decides from the options is decided here too: the sides, the inputs, the devices, whether
+the models are streamed a layer at a time, which layers are checked, the candidate's own options (typed: a kind
+gets only the options it reads, and an option it does not read is refused), and where each point's noise comes
+from. The plan is frozen: nothing downstream changes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import candidates, names
+from ..candidates import Kind, Options
+from ..compare import Tolerances
+from ..errors import ParityError
+from ..inputs import Inputs
+from ..models import DTYPES, device_count, resolve_device, would_not_fit
+from .sides import CandidateSide, candidate_kind, open_reference
+
+
+@dataclass(frozen=True)
+class Span:
+    """The layers [start, stop) of ``of`` that a check covers (--layers A:B); a slice starts from the
+    reference's input to layer ``start`` and compares only its own points (embed with the first layer, the
+    final points with the last)."""
+
+    start: int
+    stop: int
+    of: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.of
+
+    def holds(self, point: str) -> bool:
+        layer = names.layer_of(point)
+        if layer is not None:
+            return self.start <= layer < self.stop
+        return self.start == 0 if point == "embed" else self.stop == self.of
+
+    def to_json(self) -> dict:
+        return {"start": self.start, "stop": self.stop, "of": self.of}
+
+
+def parse_layers(spec: str | None, num_layers: int) -> Span:
+    """'A:B' (either side may be left out), checked against the model's layer count."""
+    if spec is None:
+        return Span(0, num_layers, num_layers)
+    first, sep, last = str(spec).partition(":")
+    try:
+        start = int(first) if first.strip() else 0
+        stop = int(last) if last.strip() else num_layers
+    except ValueError:
+        start = stop = -1
+    if not sep or not 0 <= start < stop <= num_layers:
+        raise ParityError(f"--layers {spec!r}: expected A:B with 0 <= A < B <= {num_layers} (the model's layers), "
+                          f"e.g. --layers 0:{max(1, num_layers // 2)}")
+    return Span(start, stop, num_layers)
+
+
+@dataclass(frozen=True)
+class Plan:
+    reference: object            # a reference side (parity.checker.sides): transformers or a golden
+    candidate: CandidateSide
+    dtype: str                   # the candidate's; the reference runs in float32
+    layerwise: bool
+    isolate: bool
+    calibrate: bool              # noise measured (a live twin) or recorded (a golden calibrated for dtype)
+    quantized_noise: bool        # ... measured as the reference on the candidate's own dequantized weights
+    tolerances: Tolerances
+    inputs: tuple[Inputs, ...]
+    span: Span
+    decode: int                  # --decode N steps (0: none)
+    generate: int                # --generate N tokens (0: none)
+    stream: bool                 # weights read a layer at a time
+    stream_chosen: bool          # ... because the models would not fit (not asked for)
+    device: str
+    candidate_device: str
+    diagnose: bool
+    weights: Path | None         # the checkpoint a diagnosis re-runs: the reference, or a golden's --checkpoint
+    adapter_dirs: tuple
+
+    @property
+    def low(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def checkpoint(self):
+        return self.reference.checkpoint
+
+    @property
+    def kind(self) -> Kind:
+        return self.candidate.kind
+
+    def wanted(self) -> list[str]:
+        """The points a prompt compares: a slice compares what each of its layers hands on, like an isolated
+        check (its layers are all it tests); a golden compares what it holds."""
+        wanted = [p for p in names.compared_points(self.checkpoint, self.layerwise, self.isolate or not self.span.whole)
+                  if self.span.holds(p)]
+        held = self.reference.points
+        return wanted if held is None else [p for p in wanted if p in held]
+
+    def step_points(self) -> list[str]:
+        return names.compared_points(self.checkpoint, self.layerwise)
+
+
+def _count(name: str, value, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ParityError(f"--{name} must be a number of {what} >= 0 (got {value!r})")
+
+
+def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise: bool = False,
+              isolate: bool = False, calibrate: bool = False, tolerance=(), prompt: str | None = None,
+              ids: list[int] | None = None, length: int | None = None, inputs_file: Path | None = None,
+              generate: int = 0, inject: str | None = None, diagnose: bool = True, checkpoint: Path | None = None,
+              adapter_dirs=(), provider: str | None = None, maps=(), stream: bool | None = None,
+              device: str = "cpu", candidate_device: str | None = None, layers: str | None = None,
+              decode: int = 0) -> Plan:
+    """The plan of ``parity check`` for these options (parity.checker.run.check documents them), or the
+    ParityError of the first one that cannot be honoured."""
+    from .. import bugs
+
+    if dtype not in DTYPES:
+        raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    _count("generate", generate, "tokens")
+    _count("decode", decode, "steps")
+    tolerances = Tolerances(dtype, list(tolerance))
+    if inject:
+        bugs.get(inject)
+    truth = open_reference(Path(reference), adapter_dirs)
+    truth.check_options(dtype=dtype, calibrate=calibrate, isolate=isolate, generate=generate, checkpoint=checkpoint,
+                        adapter_dirs=adapter_dirs)
+    ckpt = truth.checkpoint
+    if truth.stored:  # calibrated noise comes with the golden, or not at all
+        calibrate = truth.calibrated_for(dtype, isolated=isolate)
+    if decode:
+        length = _decode_prompt(truth, isolate, layers, decode, prompt, ids, length, inputs_file)
+    inputs = tuple(truth.inputs(prompt=prompt, ids=ids, length=length, inputs_file=inputs_file))
+    kind = candidate_kind(Path(candidate))
+    if decode and kind.make_decoder is None:
+        raise ParityError(f"--decode: a {kind.name} candidate ({candidate}) cannot be run step by step by parity yet "
+                          f"(kinds that decode: {', '.join(k for k, c in candidates.kinds().items() if c.make_decoder)}"
+                          f"); drop --decode")
+    device = resolve_device(device)
+    candidate_device = resolve_device(candidate_device) if candidate_device else device
+    if candidate_device == "auto":  # spreading over GPUs is for transformers models; the executor takes one
+        candidate_device = resolve_device("cuda") if device_count() else "cpu"
+    if inject and not kind.injects:
+        raise ParityError(f"--inject needs a neutral candidate (the executor runs the mistake); {candidate} is "
+                          f"{kind.name}")
+    if isolate and not kind.isolates:
+        raise ParityError(f"--isolate: a {kind.name} candidate ({candidate}) cannot be fed the reference's layer "
+                          f"inputs; drop --isolate")
+    span = parse_layers(layers, ckpt.resolved.num_layers)
+    if not span.whole:
+        _check_span(span, truth, kind, generate, Path(candidate))
+    if kind.validate is not None:  # e.g. a checkpoint of an unknown family, or with wrong tensors: refused now
+        kind.validate(Path(candidate), adapter_dirs)
+    options = _candidate_options(kind, provider=provider, maps=maps, layerwise=layerwise, inject=inject, span=span)
+    side = CandidateSide(kind, Path(candidate), options, DTYPES[dtype], ckpt)
+    chosen = stream is None
+    if chosen:
+        shapes = kind.shapes(Path(candidate), adapter_dirs) if kind.shapes is not None else ()
+        stream = not truth.stored and would_not_fit(ckpt, dtype, calibrate, device, shapes, candidate_device)
+    quantized = calibrate and not truth.stored and _quantized(kind, Path(candidate))
+    # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
+    weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
+    return Plan(truth, side, dtype, layerwise, isolate, calibrate, quantized, tolerances, inputs, span, decode,
+                generate, bool(stream), chosen and bool(stream), device, candidate_device, diagnose, weights,
+                tuple(adapter_dirs))
+
+
+def _decode_prompt(truth, isolate: bool, layers: str | None, n: int, prompt, ids, length, inputs_file) -> int | None:
+    """Refuse --decode where it cannot run, each with its fix; the prompt length it chooses when none is given
+    (one that makes decoding cross each sliding window)."""
+    from ..decode import decodes, prompt_length
+
+    if not decodes(truth.checkpoint):
+        raise ParityError(f"--decode: a {truth.checkpoint.resolved.family} model is not a causal language model (it "
+                          f"has no decode steps); drop --decode")
+    if isolate or layers is not None:
+        raise ParityError("--decode runs the whole model from its own cache: drop --isolate and --layers")
+    if truth.stored:
+        truth.golden.decode_steps(n)  # a golden holds the decode steps it was recorded with
+    elif prompt is None and ids is None and length is None and inputs_file is None:
+        return prompt_length(truth.checkpoint, n)
+    return length
+
+
+def _check_span(span: Span, truth, kind: Kind, generate: int, candidate: Path) -> None:
+    """A slice runs from the reference's input to its first layer: refuse what cannot give one."""
+    if generate:
+        raise ParityError("--generate needs the whole model; drop --layers")
+    entry = "embed" if span.start == 0 else f"layers.{span.start - 1}.out"
+    if truth.points is not None and span.start > 0 and entry not in truth.points:
+        raise ParityError(f"--layers {span.start}:{span.stop}: the golden does not hold {entry}, the input of layer "
+                          f"{span.start}; record it with --points all or --points layers")
+    if kind.check_span is not None:
+        kind.check_span(candidate, span.start, span.stop)
+
+
+def _candidate_options(kind: Kind, *, provider, maps, layerwise: bool, inject: str | None, span: Span) -> Options:
+    """The candidate's options, of the fields its kind reads: --provider and --map (ONNX) parsed, and refused for a
+    kind that does not read them."""
+    if isinstance(maps, dict):
+        maps = [f"{k}={v}" for k, v in maps.items()]
+    if (provider or maps) and "provider" not in kind.options:
+        raise ParityError(f"--provider and --map apply to ONNX candidates; this candidate is {kind.name}")
+    parsed: dict[str, str] = {}
+    for item in maps:
+        point, sep, value = item.partition("=")
+        if not sep or not point.strip() or not value.strip():
+            raise ParityError(f"--map {item!r}: expected POINT=VALUE, e.g. layers.0.out=/model/layers.0/Add_1_output_0")
+        parsed[point.strip()] = value.strip()
+    given = {"layerwise": layerwise, "provider": provider, "map": tuple(sorted(parsed.items())), "inject": inject,
+             "layers": range(span.start, span.stop), "last": span.stop - 1 if span.stop < span.of else None}
+    return Options(**{name: value for name, value in given.items() if name in kind.options})
+
+
+def _quantized(kind: Kind, path: Path) -> bool:
+    """A candidate whose noise is its quantization: one that can give its own weights back, unless its header says
+    every tensor is float32 (its noise is then the usual precision noise)."""
+    if kind.same_weights is None:
+        return False
+    types = (kind.describe(path) if kind.describe is not None else {}).get("tensor_types")
+    return types is None or bool(set(types) - {"F32"})

@@ -1,0 +1,264 @@
+"""``parity check``: the run loop. A plan (parity.checker.plan) is made from the options before anything loads;
+then each input is checked (parity.checker.prefill) and merged into the report, the first input is decoded
+(parity.checker.decoding), the first divergence is diagnosed (parity.diagnose) and, with --generate, both sides
+generate greedily.
+
+The reference is a Hugging Face checkpoint run by transformers (eager attention, float32), its capture points
+read by hooks that the adapter's capture map places, or a golden that stored them. The candidate is any kind of
+parity.candidates. ``--calibrate`` measures each point's own precision noise (parity.checker.noise) and sets
+tolerances to a multiple of it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import candidates
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..errors import ParityError
+from ..inputs import check_length
+from ..lengths import exercised
+from ..models import Models, first_device
+from ..report import Report
+from .judge import merge
+from .plan import Plan, make_plan
+from .prefill import PromptCheck
+from .sides import candidate_kind, open_reference
+
+
+def check(reference: Path, candidate: Path, *, progress: Callable[[str], None] | None = None,
+          on_layer: Callable[[str, int, int], None] | None = None, **options) -> Report:
+    """Compare ``candidate`` against ``reference``; returns the report (truthy when parity holds).
+
+    Options (those of ``parity check``): ``dtype``, ``layerwise``, ``isolate``, ``calibrate``, ``tolerance``,
+    the inputs (``prompt``, ``ids``, ``length``, ``inputs_file``: with several, each point keeps its worst result
+    and the diagnosis looks at the input where the first divergence was seen), ``generate`` N, ``decode`` N (the
+    candidate's prompt and then N single-token steps with its own KV cache, each compared with the reference's
+    uncached forward at that position), ``inject`` (a neutral candidate runs a catalogued porting mistake),
+    ``diagnose``, ``checkpoint`` (a golden --reference's checkpoint, sha256-checked: the diagnosis needs its
+    weights), ``adapter_dirs``, ``provider`` and ``maps`` (ONNX candidates), ``stream`` (weights a layer at a
+    time; None: when they would not fit), ``device`` and ``candidate_device``, ``layers`` "A:B" (a slice, from
+    the reference's input to layer A; ``parity report merge`` joins slices). ``progress(message)`` and
+    ``on_layer(model, done, total)`` report what it is doing.
+    """
+    plan = make_plan(Path(reference), Path(candidate), **options)
+    return run(plan, progress=progress, on_layer=on_layer)
+
+
+def run(plan: Plan, *, progress: Callable[[str], None] | None = None,
+        on_layer: Callable[[str, int, int], None] | None = None) -> Report:
+    say = progress or (lambda message: None)
+    if plan.stream_chosen:
+        say("the models do not fit in memory: streaming their weights a layer at a time")
+    report = _new_report(plan)
+    models = Models(plan.adapter_dirs, stream=plan.stream, device=plan.device,
+                    candidate_device=plan.candidate_device)
+    quantized = _quantization_weights(plan, models, report, say) if plan.quantized_noise else None
+    stepped = None
+    if plan.decode:  # the reference's decode steps first: then it can be dropped before the candidate is loaded
+        from .decoding import reference_steps
+
+        stepped = reference_steps(plan, models, plan.inputs[0].ids, say)
+    kept_by_run: dict[int, dict] = {}
+    runs = []
+    for k, inputs in enumerate(plan.inputs):
+        # the first input is also decoded: its decode steps reach further than its prompt
+        seen, warnings = exercised(plan.checkpoint, inputs.ids.shape[1] + (plan.decode if k == 0 else 0))
+        report.warnings += [w for w in warnings if w not in report.warnings]
+        prompt = PromptCheck(plan, models, k, inputs.ids, say, on_layer, quantized)(
+            done_with_reference=k == len(plan.inputs) - 1 and not plan.generate)
+        failing = prompt.failing
+        for p in prompt.results:
+            p.run = k
+        runs.append({"source": inputs.source, "ids": inputs.ids[0].tolist(), "exercised": seen,
+                     "verdict": "fail" if failing or not any(p.compared for p in prompt.results) else "pass",
+                     "first_divergence": failing[0].name if failing else None})
+        if failing:
+            kept_by_run[k] = prompt.kept
+        merge(report, prompt.results, prompt.logits)
+    report.inputs = {"runs": runs}
+    decoded = _decode(plan, models, stepped, report, say) if plan.decode else None
+    report.matching = plan.candidate.notes.matching
+    report.warnings += [w for w in plan.candidate.notes.warnings if w not in report.warnings]
+    _diagnose(plan, report, kept_by_run, decoded, say)
+    if plan.generate:
+        _generate(plan, models, report)
+    return report
+
+
+def _new_report(plan: Plan) -> Report:
+    report = Report(family=plan.checkpoint.resolved.family, reference=plan.reference.describe(),
+                    candidate=plan.candidate.describe(), dtype=plan.dtype,
+                    mode="isolated" if plan.isolate else "free", layerwise=plan.layerwise, calibrated=plan.calibrate)
+    if not plan.span.whole:
+        report.layers = plan.span.to_json()
+    q = plan.checkpoint.quantization
+    if not plan.reference.stored and q is not None:  # an FP8 reference runs on its dequantized weights
+        report.reference["quantization"] = {**q.to_json(), "dequantized_to": "float32",
+                                            "dequantized_by": "parity, a layer at a time" if plan.stream
+                                            else "transformers"}
+    return report
+
+
+def _decode(plan: Plan, models: Models, stepped, report: Report, say: Callable[[str], None]):
+    from .decoding import compare_steps
+
+    decoded = compare_steps(plan, models, stepped, plan.inputs[0].ids, say)
+    report.points += decoded.points
+    report.decode = decoded.summary
+    report.warnings += [f"decoding does not reach the {c['what']} ({c['at']} tokens): use a larger --decode or a "
+                        f"shorter prompt" for c in decoded.summary["crossed"] if c["crossed"] is None]
+    return decoded
+
+
+def _diagnose(plan: Plan, report: Report, kept_by_run: dict[int, dict], decoded, say: Callable[[str], None]) -> None:
+    """Name the likely mistake at the first divergence, re-running the executor on the checkpoint's weights."""
+    first = report.first_divergence
+    if not plan.diagnose or first is None:
+        return
+    if plan.weights is None:
+        report.warnings.append("no diagnosis: naming the likely mistake needs the weights; pass --checkpoint DIR")
+        return
+    kept = kept_by_run.get(first.run, {})
+    if first.step is not None:
+        from ..diagnose import diagnose_decode
+
+        say("diagnosing")
+        report.diagnosis = diagnose_decode(plan.weights, decoded.kept, plan.inputs[0].ids,
+                                           decoded.summary["tokens"], plan.low, adapter_dirs=plan.adapter_dirs)
+    elif first.name in kept.get("candidate", {}):
+        from ..diagnose import diagnose
+
+        say("diagnosing")
+        report.diagnosis = diagnose(plan.weights, first.name, first.tolerance.rel_l2, kept["candidate"],
+                                    kept["reference"], kept["ids"], plan.low, adapter_dirs=plan.adapter_dirs,
+                                    layer_input=kept.get("layer_input"))
+
+
+def _generate(plan: Plan, models: Models, report: Report) -> None:
+    """Greedy-decode n tokens with both sides (no cache: each step re-runs the whole sequence). The candidate is
+    the one the check compared, injected mistake included."""
+    if report.logits is None and "logits" not in {p.name for p in report.points}:
+        raise ParityError("--generate needs a model with an LM head")
+    ids, n, ckpt = plan.inputs[0].ids, plan.generate, plan.checkpoint
+
+    def greedy(step: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
+        seq = ids
+        for _ in range(n):
+            nxt = step(seq)[0, -1].float().argmax().item()
+            seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
+        return seq[0, ids.shape[1]:].tolist()
+
+    def logits(seq: torch.Tensor) -> torch.Tensor:
+        got: list[torch.Tensor] = []
+        plan.candidate.run(models, 0, seq)(lambda name, t: got.append(t) if name == "logits" else None)
+        if not got:
+            raise ParityError(f"--generate: the {plan.kind.name} candidate {plan.candidate.path} gives no logits")
+        return got[0]
+
+    check_length(ckpt, ids.shape[1] + n)
+    reference_model = models.hf(ckpt, torch.float32)
+    with torch.no_grad():
+        reference = greedy(lambda seq: reference_model(input_ids=seq.to(first_device(reference_model,
+                                                                                    plan.device))).logits)
+        produced = greedy(logits)
+    first = next((k for k, (a, b) in enumerate(zip(reference, produced)) if a != b), None)
+    gen = {"tokens": n, "reference": reference, "candidate": produced, "first_difference": first}
+    report.generation = gen
+    if report.logits is not None:
+        report.logits["generate"] = gen
+    if first is not None:
+        report.warnings.append(f"greedy generation differs from token {first} of {n}")
+
+
+def _quantization_weights(plan: Plan, models: Models, report: Report,
+                          say: Callable[[str], None]) -> Checkpoint | None:
+    """--calibrate with a quantized candidate (a GGUF of F16, Q8_0, ... matrices): each point's noise is what the
+    file's quantization does to the reference, the reference run on the file's own dequantized weights against
+    the reference itself, so that tolerances (10x that noise) are measured on this model and this file. The
+    same-weights reference is loaded whole, once; the checkpoint it was read from is returned."""
+    if plan.stream:
+        report.warnings.append("--calibrate: the models are streamed, so the quantization noise is not measured "
+                               "(the same-weights reference would have to stay on disk); tolerances are the "
+                               "reference's precision noise")
+        return None
+    say("reading the candidate's own weights back, to measure what its quantization costs")
+    tmp = Path(tempfile.mkdtemp(prefix="parity-quantization-"))
+    try:
+        held = plan.kind.same_weights(plan.checkpoint, plan.candidate.path, tmp)
+        report.warnings += not_quantizations(held)
+        noisy = open_checkpoint(tmp, plan.adapter_dirs)
+        models.hf(noisy, torch.float32, "calibration")  # loaded now: the directory is removed below
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report.candidate["quantization"] = {"types": held["types"], "noise": "the reference run on the file's own "
+                                        "dequantized weights: tolerances are 10x what its quantization costs"}
+    return noisy
+
+
+def not_quantizations(held: dict) -> list[str]:
+    """The warning for a candidate's tensors that are not a quantization of the checkpoint's (read back, they
+    differ by more than rounding): the reference kept the checkpoint's own, and the check judged them."""
+    wrong = held.get("not_a_quantization") or {}
+    if not wrong:
+        return []
+    listed = ", ".join(f"{name} (rel_l2 {error:.2g})" for name, error in list(wrong.items())[:4])
+    return [f"{len(wrong)} of the candidate's tensors are not a quantization of the checkpoint's: {listed}"
+            f"{' ...' if len(wrong) > 4 else ''}; the reference keeps the checkpoint's own there, so a port that "
+            f"laid them out wrongly still fails"]
+
+
+def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **options) -> Report:
+    """``check`` with the reference built from the candidate's own weights (dequantized; --same-weights), loaded
+    into transformers' model of the reference's family: a quantized candidate is then judged on its compute and
+    conventions, not on its quantization."""
+    kind = candidate_kind(Path(candidate))
+    if kind.same_weights is None:
+        raise ParityError(f"--same-weights reads the candidate's weights back; a {kind.name} candidate ({candidate}) "
+                          f"cannot give them (GGUF files can)")
+    if open_reference(Path(reference), adapter_dirs).stored:
+        raise ParityError("--same-weights needs a Hugging Face --reference (its config and model class); a golden "
+                          "holds activations, not a model")
+    ckpt = open_checkpoint(Path(reference), adapter_dirs)
+    with tempfile.TemporaryDirectory(prefix="parity-same-weights-") as tmp:
+        held = kind.same_weights(ckpt, Path(candidate), Path(tmp))
+        report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, **options)
+    report.reference = {"kind": "transformers", "path": str(reference), "same_weights": held}
+    report.warnings += not_quantizations(held)
+    return report
+
+
+def verify_golden(path: Path, reference: Path, *, adapter_dirs=(), progress: Callable[[str], None] | None = None):
+    """Re-run the live reference against the golden at ``path``: a report whose failing points are drift. The
+    golden stands on the reference side; the live reference, run the same way, is the candidate."""
+    truth = open_reference(Path(path), adapter_dirs)
+    if not truth.stored:
+        raise ParityError(f"{path} is not a golden (no golden.json); record one with parity golden record")
+    truth.golden.match(Path(reference), adapter_dirs)  # drift against another checkpoint would mean nothing
+    return check(Path(path), Path(reference), dtype="float32", layerwise=True, adapter_dirs=adapter_dirs,
+                 progress=progress)
+
+
+def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.dtype = torch.float32,
+                  device: str = "cpu", adapter_dirs=()) -> torch.Tensor:
+    """One forward of a Hugging Face checkpoint (transformers) or a neutral directory (parity's executor), with
+    no comparison: the yardstick a check's cost is measured against (bench/check.py)."""
+    models = Models(adapter_dirs, stream=stream, device=device, candidate_device=device)
+    kind = candidate_kind(Path(path))
+    with torch.no_grad():
+        if kind.name == "transformers":  # no hooks at all
+            model = models.hf(open_checkpoint(Path(path), adapter_dirs), dtype)
+            out = model(input_ids=ids.to(first_device(model, device)))
+            return out.logits if getattr(out, "logits", None) is not None else out[0]
+        last: dict[str, torch.Tensor] = {}
+
+        def keep(name: str, t: torch.Tensor) -> None:  # the last point a model emits is its output
+            last["out"] = t
+
+        kind.make_runner(candidates.Candidate(models, Path(path), dtype, None), ids, None)(keep)
+    return last["out"]

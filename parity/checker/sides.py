@@ -1,0 +1,199 @@
+"""The sides of a check. Every side, reference or candidate, answers one protocol:
+
+    run(models, k, ids, points, feed=None, on_layer=None, last=None) -> run(emit)
+        input k's forward, emit(point, tensor [1, S, width]) for each wanted point as it is produced; ``feed(i, x)``
+        replaces layer i's input (--isolate, a slice's first layer), ``last`` ends the forward after that layer
+    decode(models, k, ids, tokens, points) -> run(emit)
+        each token as one decode step after the prompt, emit(step, point, tensor [1, 1, width]) for steps 1..N
+    describe() -> dict          the report's entry
+    notes                       what it reported while running: warnings, how its points were matched
+
+A reference side (the truth) also has a checkpoint (config and adapter: the capture points), the inputs it
+accepts, the options it refuses, the continuation a decode check feeds, and, when ``stored``, the noise it
+recorded. Transformers and goldens are reference sides; every candidate kind (parity.candidates) is a
+candidate side through CandidateSide, which is all the check knows of kinds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import candidates
+from ..candidates import Candidate, Kind, Notes, Options
+from ..checkpoint import Checkpoint, open_checkpoint, refuse_mismatched
+from ..errors import ParityError
+from ..inputs import Inputs, select_inputs
+from ..models import Emit, Models, hf_runner
+
+StepEmit = Callable[[int, str, torch.Tensor], None]
+
+
+def _stepped(steps: dict[str, torch.Tensor]) -> Callable[[StepEmit], None]:
+    """Points held as [1, N, width] (step k at index k - 1), emitted step by step."""
+    def run(emit: StepEmit) -> None:
+        n = max((t.shape[1] for t in steps.values()), default=0)
+        for step in range(1, n + 1):
+            for name, t in steps.items():
+                emit(step, name, t[:, step - 1:step])
+    return run
+
+
+class TransformersSide:
+    """A Hugging Face checkpoint run by transformers (eager attention, float32) each time it is asked."""
+
+    kind = "transformers"
+    stored = False
+    points = None  # every capture point of the adapter
+
+    def __init__(self, path: Path, adapter_dirs=()):
+        self.path = Path(path)
+        self.checkpoint: Checkpoint = open_checkpoint(self.path, adapter_dirs)
+        self.notes = Notes()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "path": str(self.path)}
+
+    def inputs(self, **asked) -> list[Inputs]:
+        return select_inputs(self.checkpoint, **asked)
+
+    def check_options(self, *, checkpoint: Path | None = None, **_) -> None:
+        if checkpoint is not None:
+            raise ParityError("--checkpoint goes with a golden --reference: it checks the golden was recorded from it")
+        if not self.checkpoint.has_weights:
+            raise ParityError(f"--reference {self.path}: no weights; give a Hugging Face checkpoint directory")
+        refuse_mismatched(self.checkpoint, "--reference")
+
+    def calibrated_for(self, dtype: str, isolated: bool = False) -> bool:
+        return False  # a live reference measures its noise with a twin
+
+    def run(self, models: Models, k: int, ids: torch.Tensor, points: set[str] | None = None, feed=None,
+            on_layer: Callable[[int], None] | None = None, last: int | None = None) -> Callable[[Emit], None]:
+        return hf_runner(models, self.checkpoint, torch.float32, ids, feed, points=points, on_layer=on_layer,
+                         last=last)
+
+    def continuation(self, models: Models, k: int, ids: torch.Tensor, n: int) -> list[int]:
+        """The n tokens a decode check feeds: the reference's greedy continuation."""
+        from ..decode import greedy
+
+        return greedy(models, self.checkpoint, ids, n)
+
+    def decode(self, models: Models, k: int, ids: torch.Tensor, tokens: list[int], points: set[str]):
+        """The truth for each step: one forward over the prompt and the tokens, without a cache (where no cache
+        can be wrong)."""
+        from ..decode import uncached_steps
+
+        return _stepped(uncached_steps(models, self.checkpoint, ids, tokens, points) if points else {})
+
+    def step_rounding(self, k: int, n: int) -> dict[str, float]:
+        return {}
+
+
+class GoldenSide:
+    """A golden (parity.golden): the activations transformers produced once, replayed."""
+
+    kind = "golden"
+    stored = True
+
+    def __init__(self, golden):
+        self.golden = golden
+        self.path = golden.path
+        self.checkpoint: Checkpoint = golden.checkpoint  # recognised from the stored config; no weights
+        self.points = golden.points
+        self.notes = Notes()
+
+    def describe(self) -> dict:
+        return self.golden.describe()
+
+    def inputs(self, **asked) -> list[Inputs]:
+        return self.golden.inputs(**asked)
+
+    def check_options(self, **options) -> None:
+        self.golden.check_options(**options)
+
+    def calibrated_for(self, dtype: str, isolated: bool = False) -> bool:
+        return self.golden.calibrated_for(dtype, isolated)
+
+    def run(self, models: Models, k: int, ids: torch.Tensor, points: set[str] | None = None, feed=None,
+            on_layer=None, last=None) -> Callable[[Emit], None]:
+        return self.golden.runner(k, points)
+
+    def continuation(self, models: Models, k: int, ids: torch.Tensor, n: int) -> list[int]:
+        return self.golden.decode_steps(n, k)["tokens"][:n]
+
+    def decode(self, models: Models, k: int, ids: torch.Tensor, tokens: list[int], points: set[str]):
+        return _stepped(self.golden.stored_steps(k, len(tokens), points))
+
+    def step_rounding(self, k: int, n: int) -> dict[str, float]:
+        held = self.golden.decode_steps(n, k)
+        return {p: info["storage_rel_l2"] for p, info in held["points"].items()}
+
+
+def open_reference(path: Path, adapter_dirs=()):
+    """The reference at ``path``: a golden directory, else a Hugging Face checkpoint."""
+    from ..golden import is_golden, open_golden
+
+    if is_golden(Path(path)):
+        return GoldenSide(open_golden(Path(path), adapter_dirs))
+    return TransformersSide(path, adapter_dirs)
+
+
+class CandidateSide:
+    """A candidate of any kind in parity.candidates, run through its kind's protocol at ``dtype``, read with the
+    reference's checkpoint ``ckpt`` (its capture points and shapes)."""
+
+    stored = False
+
+    def __init__(self, kind: Kind, path: Path, options: Options, dtype: torch.dtype, ckpt: Checkpoint):
+        self.kind, self.path, self.options, self.dtype, self.checkpoint = kind, Path(path), options, dtype, ckpt
+        self.notes = Notes()
+
+    def describe(self) -> dict:
+        out = {"kind": self.kind.name, "path": str(self.path)}
+        if self.kind.describe is not None:
+            out.update(self.kind.describe(self.path))
+        return out
+
+    def _candidate(self, models: Models) -> Candidate:
+        return Candidate(models, self.path, self.dtype, self.checkpoint, self.options, self.notes)
+
+    def run(self, models: Models, k: int, ids: torch.Tensor, points: set[str] | None = None, feed=None,
+            on_layer=None, last=None) -> Callable[[Emit], None]:
+        """A kind emits what it has (``points`` is the caller's to filter); a slice's end is in its options."""
+        return self.kind.make_runner(self._candidate(models), ids, feed)
+
+    def decode(self, models: Models, k: int, ids: torch.Tensor, tokens: list[int], points: set[str]):
+        return self.kind.make_decoder(self._candidate(models), ids, tokens)
+
+
+def candidate_kind(path: Path) -> Kind:
+    """A candidate's kind: the first of parity.candidates' kinds that takes the path."""
+    found = candidates.detect(Path(path))
+    if found is not None:
+        return candidates.get(found)
+    if not Path(path).exists():
+        raise ParityError(f"--candidate {path}: no such file or directory")
+    raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json), a Hugging Face checkpoint "
+                      f"(config.json), an ONNX graph, a GGUF file or an engine dump (the kinds: "
+                      f"{', '.join(candidates.kinds())})")
+
+
+def inputs_for(reference: Path, *, prompt: str | None = None, ids: list[int] | None = None,
+               length: int | None = None, inputs_file: Path | None = None, adapter_dirs=(), decode: int = 0
+               ) -> tuple[list[list[int]], list[int] | None]:
+    """The token ids an engine must run to be checked against ``reference`` (a checkpoint or a golden), and with
+    ``decode`` N the N tokens it must then be fed one step at a time after the first prompt (the reference's
+    greedy continuation: a golden's stored one, or computed by transformers)."""
+    from ..decode import decodes, prompt_length
+
+    truth = open_reference(Path(reference), adapter_dirs)
+    if decode and not decodes(truth.checkpoint):
+        raise ParityError(f"--decode: a {truth.checkpoint.resolved.family} model is not a causal language model; "
+                          f"drop --decode")
+    if decode and not truth.stored and prompt is None and ids is None and length is None and inputs_file is None:
+        length = prompt_length(truth.checkpoint, decode)  # the prompt `check --decode N` would choose
+    chosen = truth.inputs(prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
+    tokens = truth.continuation(Models(adapter_dirs), 0, chosen[0].ids, decode) if decode else None
+    return [inputs.ids[0].tolist() for inputs in chosen], tokens
