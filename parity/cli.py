@@ -20,9 +20,7 @@ def _interruptible(*signals: int) -> None:
 _interruptible(signal.SIGINT)
 try:  # an interrupt while the imports run ends like one during a command
     import json
-    import os
     import tempfile
-    import traceback
     from pathlib import Path
 
     import click
@@ -33,90 +31,13 @@ try:  # an interrupt while the imports run ends like one during a command
 
     from . import __version__
     from .adapter import load_all
+    from .cli_common import CONTEXT, Group, adapters_option, input_options, parse_id_list, run_check
+    from .cli_common import console as console_for_output
+    from .cli_golden import golden_group, inputs_cmd, report_group
     from .errors import ParityError
 except KeyboardInterrupt:
     sys.stderr.write("parity: interrupted; nothing was written\n")
     raise SystemExit(130) from None
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-class Failure(click.ClickException):
-    """No verdict could be reached: one line on stderr, exit code 2."""
-
-    exit_code = 2
-
-    def show(self, file=None) -> None:
-        click.echo(f"parity: error: {self.format_message()}", err=True)
-
-
-class Interrupted(click.ClickException):
-    """Ctrl-C or SIGTERM: outputs are atomic, so nothing is left half-written; exit code 130 (128 + SIGINT)."""
-
-    exit_code = 130
-
-    def show(self, file=None) -> None:
-        click.echo("parity: interrupted; nothing was written", err=True)
-
-
-def _debugging(ctx: click.Context) -> bool:
-    return bool(ctx.find_root().params.get("debug")) or os.environ.get("PARITY_DEBUG", "") not in ("", "0")
-
-
-def _one_line(exc: BaseException) -> str:
-    """An unexpected error as one line: its type, its first line, and how to see more."""
-    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-    if isinstance(exc, MemoryError) or "can't allocate memory" in text or type(exc).__name__ == "OutOfMemoryError":
-        return (f"out of memory ({type(exc).__name__}{': ' + text[:200] if text else ''}); use a shorter prompt "
-                f"(--length), fewer points (drop --layerwise/--calibrate) or a machine with more memory")
-    return (f"{type(exc).__name__}: {text[:300] or 'no message'} (parity could not reach a verdict; rerun with "
-            f"--debug or PARITY_DEBUG=1 for the traceback, and report it if the inputs are valid)")
-
-
-class Group(click.Group):
-    """Every error becomes one line and exit code 2 (no verdict): CI must never read a crash as "parity fails"."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except click.UsageError as exc:  # one line too, like every other error (exit 2)
-            raise Failure(exc.format_message()) from None
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
-            raise  # click's own: --help/--version exit 0
-        except KeyboardInterrupt:
-            raise Interrupted("interrupted") from None
-        except ParityError as exc:
-            if _debugging(ctx):
-                traceback.print_exc()
-            raise Failure(str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - the exit-code contract covers every error
-            if _debugging(ctx):
-                traceback.print_exc()
-            raise Failure(_one_line(exc)) from None
-
-
-def adapters_option(fn):
-    """``--adapters DIR``: extra adapter directories, overriding built-ins by family name."""
-    return click.option(
-        "--adapters", "adapter_dirs", multiple=True, type=click.Path(file_okay=False, path_type=Path),
-        help="Directory of extra adapter TOML files (repeatable; also $PARITY_ADAPTERS). Overrides built-ins.",
-    )(fn)
-
-
-def input_options(fn):
-    """``--prompt`` / ``--ids`` / ``--inputs`` / ``--length``: the token ids a command runs."""
-    options = [
-        click.option("--prompt", default=None, help="Text, tokenized with the reference's tokenizer."),
-        click.option("--ids", default=None, help="Comma-separated token ids."),
-        click.option("--inputs", "inputs_file", type=click.Path(path_type=Path), default=None,
-                     help="A JSON list of prompts (strings or id lists); each point keeps its worst result."),
-        click.option("--length", type=int, default=None,
-                     help="A deterministic prompt of N tokens (default: long enough to cross every sliding window)."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
 
 @click.group(cls=Group, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="parity")
@@ -428,8 +349,8 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
     """
     from .checker.run import check, check_same_weights
 
-    report = _run_check(reference, candidate, dtype=dtype, layerwise=layerwise, isolate=isolate, calibrate=calibrate,
-                        tolerance=list(tolerance), prompt=prompt, ids=_parse_id_list(ids), length=length,
+    report = run_check(reference, candidate, dtype=dtype, layerwise=layerwise, isolate=isolate, calibrate=calibrate,
+                        tolerance=list(tolerance), prompt=prompt, ids=parse_id_list(ids), length=length,
                         inputs_file=inputs_file, generate=generate, decode=decode, adapter_dirs=adapter_dirs,
                         per_layer=per_layer,
                         report_paths=report_paths, junit=junit, run=check_same_weights if same_weights else check,
@@ -437,216 +358,6 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
                         provider=provider, maps=list(maps), stream=stream, device=device,
                         candidate_device=candidate_device, layers=layer_span, layers_progress=True)
     sys.exit(report.exit_code)
-
-
-def _console() -> Console:
-    """The terminal's width, or 120 columns in a CI log (rich would assume 80 and squeeze the table)."""
-    console = Console()
-    return console if console.is_terminal else Console(width=120)
-
-
-class _Progress:
-    """What a check is doing (a status line) and, per model, a bar of layers done with the time left."""
-
-    def __init__(self):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
-
-        self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("layers"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-                             # off a terminal a transient display leaves only a blank line before the report
-                             console=Console(stderr=True, quiet=not sys.stderr.isatty()), transient=True)
-        self.status = self.bars.add_task("checking", total=None)
-        self.models: dict[str, int] = {}
-
-    def message(self, text: str) -> None:
-        self.bars.update(self.status, description=text)
-
-    def layer(self, model: str, done: int, total: int) -> None:
-        if model not in self.models or done == 1:  # a new prompt starts the model's bar again
-            if model in self.models:
-                self.bars.remove_task(self.models[model])
-            self.models[model] = self.bars.add_task(f"{model:<12}", total=total)
-        self.bars.update(self.models[model], completed=done)
-
-
-def _run_check(reference, candidate, *, per_layer, report_paths, junit, run, layers_progress=False, **kwargs):
-    from . import render
-
-    outputs = [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]
-    for path, fmt in outputs:  # before any model is loaded: a check must not run for an hour and then fail to write
-        render.check_output(path, fmt)
-    console = _console()
-    progress = _Progress()
-    if layers_progress:
-        kwargs["on_layer"] = progress.layer
-    with progress.bars:
-        report = run(reference, candidate, progress=progress.message, **kwargs)
-    render.console(report, console, per_layer=per_layer)
-    for path, fmt in outputs:
-        render.write(report, path, fmt)
-        click.echo(f"wrote {path}", err=True)
-    return report
-
-
-def _parse_id_list(ids: str | None) -> list[int] | None:
-    if ids is None:
-        return None
-    try:
-        return [int(x) for x in ids.split(",") if x.strip()]
-    except ValueError:
-        raise ParityError(f"--ids {ids!r}: expected comma-separated integers like 1,2,3") from None
-
-
-@cli.group("report", cls=Group, context_settings=CONTEXT)
-def report_group():
-    """Reports written by `parity check --report FILE.json`.
-
-    \b
-    Example (a model checked as slices, on as many machines):
-      parity check --reference golden/dsv3 --checkpoint ./dsv3 --candidate ./port --layerwise --layers 0:31 --report a.json
-      parity check --reference golden/dsv3 --checkpoint ./dsv3 --candidate ./port --layerwise --layers 31:61 --report b.json
-      parity report merge a.json b.json -o parity.json --junit parity.xml
-    """
-
-
-@report_group.command("merge", context_settings=CONTEXT)
-@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("-o", "--output", "report_paths", multiple=True, type=click.Path(path_type=Path),
-              help="Write the merged report (.json, .md or .html by suffix); may be repeated.")
-@click.option("--junit", type=click.Path(path_type=Path), default=None, help="Write JUnit XML, one case per point.")
-@click.option("--per-layer", is_flag=True, help="Show one row per layer instead of one per point.")
-def report_merge_cmd(files, report_paths, junit, per_layer):
-    """Join the JSON reports of `check --layers` slices into one verdict; exit 0 pass, 1 fail, 2 no verdict
-    (a layer no slice covers, slices that overlap or come from different checks)."""
-    from . import render
-    from .jsonfile import read_json
-    from .report import Report, merge_slices
-
-    outputs = [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]
-    for path, fmt in outputs:
-        render.check_output(path, fmt)
-    reports = []
-    for file in files:
-        data = read_json(file, "give the JSON reports `parity check --layers ... --report r.json` wrote")
-        reports.append((str(file), Report.from_json(data, str(file))))
-    report = merge_slices(reports)
-    render.console(report, _console(), per_layer=per_layer)
-    for path, fmt in outputs:
-        render.write(report, path, fmt)
-        click.echo(f"wrote {path}", err=True)
-    sys.exit(report.exit_code)
-
-
-@cli.group("golden", cls=Group, context_settings=CONTEXT)
-def golden_group():
-    """Goldens: reference activations recorded once, so that a port is checked without transformers.
-
-    \b
-    Examples:
-      parity golden record ./llama -o golden/llama --points layers --storage float16 --calibrate
-      parity check --reference golden/llama --candidate engine-dump.safetensors --layerwise
-      parity golden verify golden/llama --reference ./llama    # does this transformers still reproduce it?
-    """
-
-
-@golden_group.command("record", context_settings=CONTEXT)
-@click.argument("reference", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Directory to write.")
-@input_options
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
-              help="The candidates' dtype, which --calibrate measures the noise for; the reference runs in float32.")
-@click.option("--points", type=click.Choice(["all", "layers", "final"]), default="all", show_default=True,
-              help="Every capture point; the stream between layers (embed, layers.N.out, final_norm, logits); "
-                   "or the final output only.")
-@click.option("--calibrate", is_flag=True, help="Also store each point's precision noise and calibrated tolerance.")
-@click.option("--storage", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
-              help="float16 halves the size; its rounding (rel_l2 ~3e-4) becomes a floor on tolerances.")
-@click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
-@click.option("--decode", type=click.IntRange(min=0), default=0, metavar="N",
-              help="Also store the first input's greedy continuation (N tokens) and each decode step's points, "
-                   "for `check --decode N` against the golden.")
-@adapters_option
-def golden_record_cmd(reference, out, prompt, ids, inputs_file, length, dtype, points, calibrate, storage, force,
-                      decode, adapter_dirs):
-    """Run REFERENCE with transformers and store its activations, inputs and sha256s as a golden.
-
-    \b
-    Example:
-      parity golden record ./gemma-2-9b -o golden/gemma-2-9b --points layers --storage float16 --calibrate
-    """
-    from .golden import record, size
-
-    with Console(stderr=True).status("recording") as status:
-        golden = record(reference, out, prompt=prompt, ids=_parse_id_list(ids), length=length,
-                        inputs_file=inputs_file, dtype=dtype, points=points, calibrate=calibrate, storage=storage,
-                        force=force, adapter_dirs=adapter_dirs, progress=lambda message: status.update(message),
-                        decode=decode)
-    tokens = ", ".join(str(len(r["ids"])) for r in golden.runs)
-    click.echo(f"wrote {out}: {golden.description['family']}, {len(golden.points)} points, {tokens} tokens"
-               f"{f' and {decode} decode steps' if decode else ''}, {storage}"
-               f"{', calibrated for ' + dtype if calibrate else ''}; {_size(size(out))}")
-
-
-@golden_group.command("verify", context_settings=CONTEXT)
-@click.argument("golden", type=click.Path(path_type=Path))
-@click.option("--reference", required=True, type=click.Path(path_type=Path),
-              help="The checkpoint the golden was recorded from, run again with the installed transformers.")
-@click.option("--report", "report_paths", multiple=True, type=click.Path(path_type=Path),
-              help="Write the drift report: .json, .md or .html (repeatable).")
-@adapters_option
-def golden_verify_cmd(golden, reference, report_paths, adapter_dirs):
-    """Re-run the live reference and report drift from GOLDEN, point by point; exit 1 on drift.
-
-    \b
-    Example:
-      parity golden verify golden/gemma-2-9b --reference ./gemma-2-9b
-    """
-    from .checker.run import verify_golden
-
-    report = _run_check(golden, reference, run=verify_golden, per_layer=False, report_paths=report_paths, junit=None,
-                        adapter_dirs=adapter_dirs)
-    then = report.reference["recorded_with"]
-    versions = f"recorded with transformers {then['transformers']}, torch {then['torch']}"
-    if report:
-        click.echo(f"no drift: the live reference reproduces {golden} ({versions})")
-    else:
-        click.echo(f"drift at {report.first_divergence.name}: the live reference no longer reproduces {golden} "
-                   f"({versions})")
-    sys.exit(report.exit_code)
-
-
-@cli.command("inputs", context_settings=CONTEXT)
-@click.argument("reference", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
-              help="The JSON file to write: a list of token-id lists (replaced if it exists).")
-@input_options
-@click.option("--decode", type=click.IntRange(min=0), default=0, metavar="N",
-              help="Also write the N tokens to feed one step at a time after the first prompt (the reference's "
-                   "greedy continuation), for `check --decode N`.")
-@adapters_option
-def inputs_cmd(reference, out, prompt, ids, inputs_file, length, decode, adapter_dirs):
-    """Write the exact token ids an engine must run to be checked against REFERENCE (a checkpoint or a golden).
-
-    The file is what `parity check --inputs` reads, so both sides run the same ids.
-
-    \b
-    Example:
-      parity inputs golden/llama -o inputs.json
-      parity inputs golden/llama --decode 32 -o inputs.json
-    """
-    from .dumps import write_inputs
-    from .checker.sides import inputs_for
-
-    rows, tokens = inputs_for(reference, prompt=prompt, ids=_parse_id_list(ids), length=length,
-                              inputs_file=inputs_file, adapter_dirs=adapter_dirs, decode=decode)
-    write_inputs(out, rows, tokens)
-    click.echo(f"wrote {out}: {len(rows)} input(s) of {', '.join(str(len(r)) for r in rows)} tokens"
-               f"{f', then {len(tokens)} decode tokens' if tokens else ''}")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 @cli.command("demo", context_settings=CONTEXT)
@@ -666,7 +377,7 @@ def demo_cmd(report_path):
     from .tiny import make_tiny
 
     adapters = load_all()
-    console = _console()
+    console = console_for_output()
     verdicts = {}
     with tempfile.TemporaryDirectory(prefix="parity-demo-") as tmp:
         for family in ("gemma2", "llama", "qwen3"):
@@ -710,7 +421,7 @@ def bugs_cmd(as_json):
         table.add_column(col, overflow="fold")
     for r in rows:
         table.add_row(r["id"], r["mistake"], ", ".join(r["families"]), r["shows"])
-    _console().print(table)
+    console_for_output().print(table)
 
 
 @cli.command("selftest", context_settings=CONTEXT)
@@ -728,7 +439,7 @@ def selftest_cmd(families, dtype, md_path):
     """
     from . import selftest
 
-    console = _console()
+    console = console_for_output()
     with Console(stderr=True).status("selftest") as status:
         rows = selftest.run(families.split(",") if families else None, dtype,
                             progress=lambda message: status.update(message))
@@ -748,6 +459,10 @@ def selftest_cmd(families, dtype, md_path):
         md_path.write_text(selftest.markdown(rows) + "\n")
     good = t["detected"] == t["pairs"] and t["false_alarms"] == 0 and t["diagnosed_wrong"] == 0
     sys.exit(0 if good else 1)
+
+
+for command in (report_group, golden_group, inputs_cmd):
+    cli.add_command(command)
 
 
 def main() -> None:

@@ -364,19 +364,18 @@ def _svg(report: Report, width: int = 960, height: int = 380, steps: bool = Fals
     out = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
            f'aria-label="error versus {"decode step" if steps else "depth"}">',
            f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#ccc"/>']
-    step = math.ceil((hi - lo) / 10)
-    for k in range(lo, hi + 1, step):
+    for k in range(lo, hi + 1, math.ceil((hi - lo) / 10)):  # a grid line per decade, at most ten
         yk = y(10.0 ** k)
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{yk:.1f}" y2="{yk:.1f}" stroke="#eee"/>')
-        out.append(f'<text x="{left - 6}" y="{yk + 4:.1f}" text-anchor="end">10<tspan dy="-6" '
-                   f'font-size="9">{k}</tspan></text>')
+        out += [f'<line x1="{left}" x2="{left + pw}" y1="{yk:.1f}" y2="{yk:.1f}" stroke="#eee"/>',
+                f'<text x="{left - 6}" y="{yk + 4:.1f}" text-anchor="end">10<tspan dy="-6" '
+                f'font-size="9">{k}</tspan></text>']
     out.append(f'<text x="14" y="{top + ph / 2:.1f}" text-anchor="middle" '
                f'transform="rotate(-90 14 {top + ph / 2:.1f})">rel_l2 (log scale)</text>')
     groups = [(i, group(p)) for i, p in enumerate(points) if i == 0 or group(p) != group(points[i - 1])]
     for i, name in groups[::math.ceil(len(groups) / 30) or 1]:  # a tick per layer, at most 30 labels
-        out.append(f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>')
-        out.append(f'<text x="{x(i):.1f}" y="{top + ph + 14}" text-anchor="end" '
-                   f'transform="rotate(-45 {x(i):.1f} {top + ph + 14})">{escape(name)}</text>')
+        out += [f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>',
+                f'<text x="{x(i):.1f}" y="{top + ph + 14}" text-anchor="end" '
+                f'transform="rotate(-45 {x(i):.1f} {top + ph + 14})">{escape(name)}</text>']
     axis = "decode step (its worst point)" if steps else "capture point (forward order)"
     out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle">{axis}</text>')
 
@@ -413,15 +412,22 @@ def _svg(report: Report, width: int = 960, height: int = 380, steps: bool = Fals
                        f'stroke-dasharray="3 3"/>')
             out.append(f'<text class="first-divergence" x="{x(i) + dx:.1f}" y="{top + 14}" text-anchor="{anchor}" '
                        f'style="fill: {RED}">first divergence: {escape(_label(first))}</text>')
+    out += _legend(left + pw, _calibrated(report))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _legend(right_edge: float, calibrated: bool) -> list[str]:
+    """The plot's legend, along its top right."""
     legend = [("rel_l2", "#1f77b4", ""), ("tolerance", "#ff7f0e", "6 3")]
-    legend += [("noise floor", GREY, "2 3")] if _calibrated(report) else []
+    legend += [("noise floor", GREY, "2 3")] if calibrated else []
+    out = []
     for k, (label, color, dash) in enumerate(legend):
-        lx = left + pw - 110 * (len(legend) - k)
+        lx = right_edge - 110 * (len(legend) - k)
         out.append(f'<line x1="{lx}" x2="{lx + 24}" y1="14" y2="14" stroke="{color}" '
                    f'stroke-width="2" stroke-dasharray="{dash or "none"}"/>')
         out.append(f'<text x="{lx + 28}" y="18">{label}</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
 
 
 def html(report: Report) -> str:

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 import parity
 from parity import onnx_export
-from parity.candidates import onnx as onnx_candidate
+from parity import onnx_graph
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
 from parity.executor.model import NeutralModel
@@ -247,7 +247,7 @@ def test_without_module_paths_points_are_found_by_structure(family, tiny_dir, ex
 def test_with_nothing_matched_the_final_output_is_still_compared_and_map_names_values(tiny_dir, exported,
                                                                                         tmp_path, monkeypatch):
     bare = _strip_module_paths(exported("llama", "foreign"), tmp_path / "bare.onnx")
-    monkeypatch.setattr(onnx_candidate, "find_norms", lambda g: [])  # a graph whose norms are not recognised
+    monkeypatch.setattr(onnx_graph, "find_norms", lambda g: [])  # a graph whose norms are not recognised
     report = _check(tiny_dir("llama"), bare)
     assert report.verdict == "pass"
     assert [p.name for p in report.points if p.compared] == ["logits"]
