@@ -39,7 +39,7 @@ from .compare import Tolerances, metrics
 from .decode import decodes, greedy, prompt_length, uncached_steps
 from .inputs import Inputs, make_inputs, read_inputs_file, select_inputs
 from .checker.noise import Twin
-from .models import DTYPES, Emit, Models, Stream, hf_runner, layer_inputs, would_not_fit
+from .models import DTYPES, Emit, Models, Stream, hf_runner, layer_inputs, replay_steps, would_not_fit
 from .errors import ParityError
 from .neutral import StrictSpec, validation_problem
 from .shards import FLOAT_DTYPES, read_header, sha256_file
@@ -140,6 +140,10 @@ class Golden:
             raise ParityError(f"--reference {self.path}: the golden holds {has}; record it with --decode {n} (or "
                               f"more), or decode fewer steps")
         return held
+
+    def step_runner(self, k: int, n: int, points: set[str]):
+        """Emits run k's first n decode steps as stored, emit(step, point, [1, 1, width]) for steps 1..n."""
+        return replay_steps(self.stored_steps(k, n, points), n)
 
     def stored_steps(self, k: int, n: int, points: set[str]) -> dict[str, torch.Tensor]:
         """Run k's first n decode steps of ``points``, as stored: point -> [1, n, width] float32."""

@@ -346,3 +346,14 @@ def layer_inputs(num_layers: int) -> dict[str, int]:
     """The points that are a layer's input: `embed` feeds layer 0, `layers.{i}.out` feeds layer i + 1 (the head
     after the last); point -> the index isolation feeds it to."""
     return {"embed": 0, **{f"layers.{i}.out": i + 1 for i in range(num_layers)}}
+
+
+def replay_steps(steps: dict[str, torch.Tensor], n: int) -> Callable[[Callable[[int, str, torch.Tensor], None]], None]:
+    """A decode run from held steps (point -> [1, n, width], step k at index k - 1): emit(step, point,
+    [1, 1, width]) for steps 1..n, as a decoder would."""
+    def run(emit: Callable[[int, str, torch.Tensor], None]) -> None:
+        for step in range(1, n + 1):
+            for name, t in steps.items():
+                emit(step, name, t[:, step - 1:step])
+
+    return run

@@ -40,7 +40,7 @@ def test_the_check_imports_no_candidate_module():
 def test_every_kind_module_states_the_protocol():
     for name, kind in candidates.kinds().items():
         assert kind.name == name and callable(kind.detect) and callable(kind.make_runner)
-    assert set(candidates.kinds()) == {"dump", "onnx", "gguf", "neutral", "transformers"}
+    assert set(candidates.kinds()) == {"dump", "onnx", "gguf", "golden", "neutral", "transformers"}
 
 
 def test_a_new_engine_is_one_module_and_one_line(tmp_path, tiny_dir, monkeypatch):

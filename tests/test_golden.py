@@ -280,3 +280,26 @@ def test_committed_goldens_are_small():
     files = [f for f in COMMITTED.rglob("*") if f.is_file()]
     assert sum(f.stat().st_size for f in files) < 2**20
     assert sorted(p.name for p in COMMITTED.iterdir() if p.is_dir()) == FAMILIES
+
+
+def test_a_golden_stands_on_the_candidate_side(tiny_dir, tmp_path):
+    """A golden judged like an engine's output: against the checkpoint it was recorded from it passes, prefill and
+    decode; a checkpoint that no longer computes the same function fails where it starts to differ."""
+    golden = record(tiny_dir("llama"), tmp_path / "g", points="all", decode=4)
+    report = parity.check(tiny_dir("llama"), golden.path, layerwise=True, decode=4)
+    assert report and report.candidate["kind"] == "golden"
+    assert all(p.compared for p in report.points) and {p.step for p in report.points} == {None, 1, 2, 3, 4}
+    assert max(p.rel_l2 for p in report.points) == 0.0  # the same float32 forward, stored in float32
+
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for f in tiny_dir("llama").iterdir():
+        (changed / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(changed / "model.safetensors")
+    tensors["model.layers.1.input_layernorm.weight"] *= 1.5
+    save_file(tensors, changed / "model.safetensors", metadata={"format": "pt"})
+    report = parity.check(changed, golden.path, layerwise=True)
+    assert not report and report.first_divergence.name == "layers.1.attn_in"
+
+    with pytest.raises(ParityError, match="the golden holds no run on these 5 ids"):
+        parity.check(tiny_dir("llama"), golden.path, length=5)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 # Detection order: the first kind whose detect() accepts a path runs it.
-KINDS = ("dump", "onnx", "gguf", "neutral", "huggingface")
+KINDS = ("dump", "onnx", "gguf", "golden", "neutral", "huggingface")
 
 
 @dataclass(frozen=True)

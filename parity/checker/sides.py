@@ -26,19 +26,8 @@ from ..candidates import Candidate, Kind, Notes, Options
 from ..checkpoint import Checkpoint, open_checkpoint, refuse_mismatched
 from ..errors import ParityError
 from ..inputs import Inputs, select_inputs
-from ..models import Emit, Models, hf_runner
+from ..models import Emit, Models, hf_runner, replay_steps
 
-StepEmit = Callable[[int, str, torch.Tensor], None]
-
-
-def _stepped(steps: dict[str, torch.Tensor]) -> Callable[[StepEmit], None]:
-    """Points held as [1, N, width] (step k at index k - 1), emitted step by step."""
-    def run(emit: StepEmit) -> None:
-        n = max((t.shape[1] for t in steps.values()), default=0)
-        for step in range(1, n + 1):
-            for name, t in steps.items():
-                emit(step, name, t[:, step - 1:step])
-    return run
 
 
 class TransformersSide:
@@ -85,7 +74,7 @@ class TransformersSide:
         can be wrong)."""
         from ..decode import uncached_steps
 
-        return _stepped(uncached_steps(models, self.checkpoint, ids, tokens, points) if points else {})
+        return replay_steps(uncached_steps(models, self.checkpoint, ids, tokens, points) if points else {}, len(tokens))
 
     def step_rounding(self, k: int, n: int) -> dict[str, float]:
         return {}
@@ -124,7 +113,7 @@ class GoldenSide:
         return self.golden.decode_steps(n, k)["tokens"][:n]
 
     def decode(self, models: Models, k: int, ids: torch.Tensor, tokens: list[int], points: set[str]):
-        return _stepped(self.golden.stored_steps(k, len(tokens), points))
+        return self.golden.step_runner(k, len(tokens), points)
 
     def step_rounding(self, k: int, n: int) -> dict[str, float]:
         held = self.golden.decode_steps(n, k)
@@ -176,7 +165,7 @@ def candidate_kind(path: Path) -> Kind:
     if not Path(path).exists():
         raise ParityError(f"--candidate {path}: no such file or directory")
     raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json), a Hugging Face checkpoint "
-                      f"(config.json), an ONNX graph, a GGUF file or an engine dump (the kinds: "
+                      f"(config.json), an ONNX graph, a GGUF file, a golden or an engine dump (the kinds: "
                       f"{', '.join(candidates.kinds())})")
 
 
