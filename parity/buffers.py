@@ -21,7 +21,7 @@ INV_FREQ_TOLERANCE_16BIT = 1e-2
 def _inv_freq_verdict(r: Resolved, buffer: ResolvedBuffer, saved, dtype: str) -> tuple[bool, str]:
     """Whether a saved RoPE inv_freq agrees with the RoPE the config gives its layer (any layer, for a
     model-level buffer), and what it says otherwise."""
-    from .executor.rope import inv_freq
+    from .rope import inv_freq
     layers = [buffer.layer] if buffer.layer is not None else range(r.num_layers)
     ropes = [rope for rope in (rope_settings(r, i, "half") for i in layers) if rope is not None]
     saved = saved.double().flatten()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .adapter import Adapter, Resolved, ResolvedTensor, Variant, ignored, load_all, recognise, resolve, text_config
 from .errors import ParityError
+from .jsonfile import read_json
 from .quantization import FP8_DTYPES, BlockFP8, read_quantization, scale_name, scale_shape
 from .shards import read_header
 
@@ -50,12 +51,7 @@ def read_config(path: Path) -> tuple[dict, Path]:
         raise ParityError(f"{path}: no such file or directory")
     if not cfg_path.is_file():
         raise ParityError(f"{cfg_path}: not a file; give the checkpoint's config.json")
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ParityError(f"{cfg_path}: not valid JSON ({str(exc)[:160]}); give the checkpoint's config.json") from None
-    except OSError as exc:
-        raise ParityError(f"{cfg_path}: cannot be read ({exc.strerror or exc})") from None
+    config = read_json(cfg_path, "give the checkpoint's config.json")
     if not isinstance(config, dict):
         raise ParityError(f"{cfg_path}: expected a JSON object, found {type(config).__name__}")
     check_config(config, cfg_path)
@@ -111,12 +107,7 @@ def read_index(directory: Path) -> dict[str, str] | None:
     if not index.exists():
         return None
     fix = "fix it or save the checkpoint again with save_pretrained"
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise ParityError(f"{index}: not valid JSON ({str(exc)[:160]}); {fix}") from None
-    except OSError as exc:
-        raise ParityError(f"{index}: cannot be read ({exc.strerror or exc}); {fix}") from None
+    data = read_json(index, fix)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map \
             or not all(isinstance(v, str) for v in weight_map.values()):

@@ -21,6 +21,7 @@ import torch
 from . import atomic
 from .checkpoint import open_checkpoint
 from .errors import ParityError
+from .jsonfile import read_json
 
 # neutral name -> llama.cpp's (gguf-py's MODEL_TENSOR names), {i} the layer
 NAMES = {
@@ -71,7 +72,7 @@ def neutral_name(name: str) -> str | None:
 
 def _rope_freqs(rope: dict) -> torch.Tensor | None:
     """llama.cpp divides each unscaled frequency by rope_freqs[k]: the static scaling as divisors (None: none)."""
-    from .executor.rope import LENGTH_DEPENDENT, inv_freq
+    from .rope import LENGTH_DEPENDENT, inv_freq
 
     scaling = rope.get("scaling")
     if not scaling:
@@ -90,16 +91,14 @@ def _rope_freqs(rope: dict) -> torch.Tensor | None:
 def vocabulary(directory: Path, size: int) -> tuple[list[str], list[str]] | None:
     """The checkpoint's byte-level BPE vocabulary as llama.cpp's "gpt2" tokenizer reads it: (tokens by id, padded
     to the model's vocabulary, and merges); None without a tokenizer.json of that kind."""
-    import json
-
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(path, "")
+    except ParityError:  # an unreadable tokenizer.json is no vocabulary, as a missing one
         return None
-    model = data.get("model") or {}
+    model = (data.get("model") if isinstance(data, dict) else None) or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         return None
     tokens = [f"[PAD{i}]" for i in range(size)]
@@ -233,9 +232,9 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
         able = [f for f, a in load_all(adapter_dirs).items() if a.spec.gguf is not None]
         raise ParityError(f"{path}: parity does not export {ckpt.resolved.family} to GGUF (its adapter has no [gguf] "
                           f"section); families it does: {', '.join(able)}")
-    from .neutral import _check_for_conversion
+    from .neutral import check_convertible
 
-    _check_for_conversion(ckpt)
+    check_convertible(ckpt)
     check = ckpt.check()
     # tensors come out of the checkpoint at the type they are written in (F16), or at their own (quantized from
     # float32 a block of rows at a time): a float32 copy of a bf16 model's embedding would double the peak

@@ -4,7 +4,6 @@ against what the model can take and this machine can hold.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 
 from .checkpoint import Checkpoint
 from .errors import ParityError
+from .jsonfile import read_json
 from .lengths import default_length
 
 
@@ -86,10 +86,7 @@ def _tokenize(ckpt: Checkpoint, prompt: str) -> list[int]:
 
 def read_inputs_file(path: Path) -> list[dict]:
     """A JSON list of prompts: strings, or lists of token ids."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ParityError(f"--inputs {path}: cannot read a JSON list of prompts ({exc})") from None
+    data = read_json(path, "give a JSON list of prompts (strings or lists of token ids)", where=f"--inputs {path}")
     if not isinstance(data, list) or not data:
         raise ParityError(f"--inputs {path}: expected a non-empty JSON list of strings or id lists")
     out = []

@@ -72,7 +72,7 @@ def _layer_norm_summary(r: Resolved, i: int) -> dict:
         text += f" + {'/'.join(attention)} norm"
     if counts["mla"]:
         text += f" + {counts['mla']} inside MLA"
-    extra = []  # reported apart from the block and attention norms (DESIGN.md's column)
+    extra = []  # reported apart from the block and attention norms (docs/design.md, "Conventions": its column)
     for group, label in (("moe", "MoE"), ("per_layer_input", "per-layer-input")):
         if counts[group]:
             weightless = sum(1 for n in mine if n.group == group and not n.has_weight)

@@ -11,7 +11,7 @@ length exercises them, and their ``original_max_position_embeddings`` is no thre
 from __future__ import annotations
 
 from .checkpoint import Checkpoint
-from .executor.rope import LENGTH_DEPENDENT
+from .rope import LENGTH_DEPENDENT
 
 MIN_LENGTH = 64   # the default prompt's floor: long enough for a meaningful rel_l2 per point
 PAST = 16         # how far past a threshold the default prompt goes
@@ -27,7 +27,7 @@ def thresholds(ckpt: Checkpoint) -> dict[str, int]:
         if r["positions.kind"] == "rope":
             scaling = r.layer("positions.rope_scaling", i) or {}
             kind = scaling.get("rope_type")
-            if kind in LENGTH_DEPENDENT:  # where parity.executor.rope switches, as transformers does
+            if kind in LENGTH_DEPENDENT:  # where parity.rope switches, as transformers does
                 threshold = (r["positions.max_positions"] if kind == "dynamic" else
                              scaling.get("original_max_position_embeddings") or r["positions.max_positions"])
                 if threshold:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-# Capture points, in forward order (DESIGN.md, "Capture points").
+# Capture points, in forward order (docs/design.md, "Capture points").
 MODEL_POINTS_BEFORE = ("embed",)
 LAYER_POINTS = ("attn_in", "attn_out", "mid", "mlp_in", "mlp_out", "out")
 MODEL_POINTS_AFTER = ("final_norm", "logits")

@@ -8,7 +8,7 @@ length at run time. Batch and sequence are dynamic.
 
 Inputs: ``input_ids`` [batch, sequence] int64, and ``token_type_ids`` where the model has token
 types. Outputs: ``logits`` (or ``last_hidden_state`` for a model without an LM head); with
-``debug_outputs`` every other capture point too, named as in DESIGN.md (``embed``,
+``debug_outputs`` every other capture point too, named as in docs/design.md, "Capture points" (``embed``,
 ``layers.0.attn_in``, ...). With ``kv_cache`` (causal language models), the executor's KV cache
 (parity/executor/cache.py) is in the graph: inputs ``past_key_values.{i}.key`` / ``.value``
 [batch, kv_heads, past_sequence, head_dim] for each layer that computes its own keys (empty for a prompt),
@@ -92,7 +92,7 @@ class _Exportable(torch.nn.Module):
 
 
 def _length_dependent_rope(manifest: dict) -> str | None:
-    from .executor.rope import LENGTH_DEPENDENT
+    from .rope import LENGTH_DEPENDENT
 
     for layer in manifest["layers"]:
         rope = layer["attention"]["rope"]

@@ -1,4 +1,5 @@
-"""The parity report: per-point results, the verdict, and its JSON form (keys fixed by DESIGN.md)."""
+"""The parity report: per-point results, the verdict, and its JSON form (its keys are fixed by docs/design.md,
+"Report keys")."""
 
 from __future__ import annotations
 

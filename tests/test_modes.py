@@ -28,11 +28,11 @@ from parity.cli import cli
 from parity.compare import Tolerance
 from parity.dumps import write_dump
 from parity.executor.model import NeutralModel
-from parity.rope import half_permutation
 from parity.golden import record
 from parity.neutral import convert, load
 from parity.onnx_export import export
 from parity.report import PointResult, Report
+from parity.rope import half_permutation
 from parity.testing import assert_parity
 
 FAMILY = "gemma2"  # all three bugs apply: RoPE, `1 + w` norms, a final softcap

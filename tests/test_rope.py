@@ -1,4 +1,5 @@
-"""parity.executor.rope against transformers' own rotary embeddings, layer by layer.
+"""parity.rope (the frequencies, the permutations) and parity.executor.rope (the rotation) against transformers' own
+rotary embeddings, layer by layer.
 
 For every RoPE family's tiny config, every real config in fixtures/configs and a set of scaling variants, the
 rope dict is built from the adapter's resolved settings and its cos/sin tables are compared with what the
@@ -17,6 +18,7 @@ import pytest
 import torch
 import transformers
 
+from parity import rope as M
 from parity.adapter import recognise, resolve, text_config
 from parity.executor import rope as R
 from parity.tiny import tiny_config
@@ -81,7 +83,7 @@ def to_half_layout(t: torch.Tensor, rope: dict) -> torch.Tensor:
     if rope["style"] == "half":
         return t
     r = rope["rotary_dim"]
-    return t[..., R.half_permutation(t.shape[-1], r)]
+    return t[..., M.half_permutation(t.shape[-1], r)]
 
 
 def reference_cos_sin(module, positions: torch.Tensor, layer_type: str | None):
@@ -183,7 +185,7 @@ def test_gemma3_global_layer_scaling_matches_transformers(scaling):
 
 def test_unscaled_tables_by_hand():
     rope = {"theta": 100.0, "style": "half", "rotary_dim": 4, "head_dim": 6, "scaling": None, "max_positions": 8}
-    inv, attention = R.inv_freq(rope)
+    inv, attention = M.inv_freq(rope)
     assert inv.tolist() == pytest.approx([1.0, 0.1]) and attention == 1.0
     cos, sin = R.cos_sin(rope, torch.tensor([0, 2]))
     assert cos[0].tolist() == [1.0] * 4 and sin[0].tolist() == [0.0] * 4
@@ -195,20 +197,20 @@ def test_unscaled_tables_by_hand():
 def test_attention_factors():
     base = {"theta": 10000.0, "style": "half", "rotary_dim": 16, "head_dim": 16, "max_positions": 256}
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    assert R.inv_freq({**base, "scaling": yarn})[1] == pytest.approx(0.1 * math.log(4) + 1)
+    assert M.inv_freq({**base, "scaling": yarn})[1] == pytest.approx(0.1 * math.log(4) + 1)
     deepseek = {**yarn, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0}
-    assert R.inv_freq({**base, "scaling": deepseek})[1] == 1.0  # mscale / mscale_all_dim; softmax scale carries it
+    assert M.inv_freq({**base, "scaling": deepseek})[1] == 1.0  # mscale / mscale_all_dim; softmax scale carries it
     cos, _ = R.cos_sin({**base, "scaling": {**yarn, "attention_factor": 2.0}}, torch.tensor([0]))
     assert cos.tolist() == [[2.0] * 16]
     for kind in ({"rope_type": "linear", "factor": 8.0}, {"rope_type": "dynamic", "factor": 2.0},
                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}):
-        assert R.inv_freq({**base, "scaling": kind}, seq_len=1000)[1] == 1.0
+        assert M.inv_freq({**base, "scaling": kind}, seq_len=1000)[1] == 1.0
 
 
 def test_proportional_keeps_full_width_and_zeroes_the_rest():
     rope = {"theta": 1e6, "style": "half", "rotary_dim": 32, "head_dim": 32, "max_positions": 256,
             "scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.25}}
-    inv, _ = R.inv_freq(rope)
+    inv, _ = M.inv_freq(rope)
     assert inv.shape == (16,) and inv[4:].eq(0).all()
     assert inv[:4].tolist() == pytest.approx([1e6 ** (-2 * k / 32) for k in range(4)], rel=1e-6)  # spaced by head_dim
     x = torch.randn(1, 2, 5, 32)
@@ -219,10 +221,10 @@ def test_proportional_keeps_full_width_and_zeroes_the_rest():
 
 def test_linear_and_llama3_scale_the_right_frequencies():
     base = {"theta": 500000.0, "style": "half", "rotary_dim": 128, "head_dim": 128, "max_positions": 131072}
-    plain, _ = R.inv_freq({**base, "scaling": None})
-    linear, _ = R.inv_freq({**base, "scaling": {"rope_type": "linear", "factor": 8.0}})
+    plain, _ = M.inv_freq({**base, "scaling": None})
+    linear, _ = M.inv_freq({**base, "scaling": {"rope_type": "linear", "factor": 8.0}})
     assert torch.equal(linear, plain / 8.0)
-    llama3, _ = R.inv_freq({**base, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    llama3, _ = M.inv_freq({**base, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
     wavelen = 2 * math.pi / plain
     assert torch.equal(llama3[wavelen < 2048], plain[wavelen < 2048])          # fast: kept
@@ -234,9 +236,9 @@ def test_linear_and_llama3_scale_the_right_frequencies():
 def test_dynamic_grows_only_past_max_positions():
     rope = {"theta": 10000.0, "style": "half", "rotary_dim": 16, "head_dim": 16, "max_positions": 256,
             "scaling": {"rope_type": "dynamic", "factor": 2.0}}
-    plain, _ = R.inv_freq({**rope, "scaling": None})
-    assert torch.equal(R.inv_freq(rope)[0], plain) and torch.equal(R.inv_freq(rope, 256)[0], plain)
-    grown, _ = R.inv_freq(rope, 512)
+    plain, _ = M.inv_freq({**rope, "scaling": None})
+    assert torch.equal(M.inv_freq(rope)[0], plain) and torch.equal(M.inv_freq(rope, 256)[0], plain)
+    grown, _ = M.inv_freq(rope, 512)
     theta = 10000.0 * (2.0 * 512 / 256 - 1) ** (16 / 14)
     assert grown.tolist() == pytest.approx([theta ** (-2 * k / 16) for k in range(8)], rel=1e-6)
 
@@ -245,7 +247,7 @@ def test_unknown_scaling_type_is_named():
     rope = {"theta": 1.0, "style": "half", "rotary_dim": 4, "head_dim": 4, "max_positions": 8,
             "scaling": {"rope_type": "mrope"}}
     with pytest.raises(ValueError, match="'mrope' is not implemented"):
-        R.inv_freq(rope)
+        M.inv_freq(rope)
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,12 +301,12 @@ def test_partial_rotary_passes_the_rest_through():
 
 
 def test_permutations_are_inverse_and_match_the_documented_layout():
-    assert R.interleave_permutation(6, 4).tolist() == [0, 2, 1, 3, 4, 5]
-    assert R.half_permutation(6, 4).tolist() == [0, 2, 1, 3, 4, 5]
-    assert R.interleave_permutation(8, 8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
-    assert R.half_permutation(8, 8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert M.interleave_permutation(6, 4).tolist() == [0, 2, 1, 3, 4, 5]
+    assert M.half_permutation(6, 4).tolist() == [0, 2, 1, 3, 4, 5]
+    assert M.interleave_permutation(8, 8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert M.half_permutation(8, 8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
     for head_dim, rotary_dim in [(16, 16), (24, 8), (64, 32), (512, 512)]:
-        p, q = R.interleave_permutation(head_dim, rotary_dim), R.half_permutation(head_dim, rotary_dim)
+        p, q = M.interleave_permutation(head_dim, rotary_dim), M.half_permutation(head_dim, rotary_dim)
         assert p.dtype == torch.int64 and torch.equal(p[q], torch.arange(head_dim))
         assert torch.equal(q[p], torch.arange(head_dim))
 
@@ -330,7 +332,7 @@ def test_interleaved_checkpoint_gives_the_same_scores(kind, dtype):
     torch.manual_seed(1)
     x = torch.randn(1, seq, hidden)
     wq, wk = torch.randn(heads * dh, hidden) / hidden ** 0.5, torch.randn(heads * dh, hidden) / hidden ** 0.5
-    rows = (torch.arange(heads)[:, None] * dh + R.interleave_permutation(dh, r)).flatten()  # within each head
+    rows = (torch.arange(heads)[:, None] * dh + M.interleave_permutation(dh, r)).flatten()  # within each head
 
     def rotated(w: torch.Tensor, rope: dict) -> torch.Tensor:
         q = (x @ w.T).view(1, seq, heads, dh).transpose(1, 2).to(dtype)          # [B, H, S, Dh]
@@ -339,8 +341,8 @@ def test_interleaved_checkpoint_gives_the_same_scores(kind, dtype):
     q_half, k_half = rotated(wq, half), rotated(wk, half)
     q_inter, k_inter = rotated(wq[rows], inter), rotated(wk[rows], inter)
     # rotating then permuting is permuting then rotating, bit for bit
-    assert torch.equal(q_inter[..., R.half_permutation(dh, r)], q_half)
+    assert torch.equal(q_inter[..., M.half_permutation(dh, r)], q_half)
     scores = lambda q, k: q.double() @ k.double().transpose(2, 3)               # noqa: E731  [B, H, S, S]
     assert rel_err(scores(q_inter, k_inter), scores(q_half, k_half)) <= 1e-6
-    back = (torch.arange(heads)[:, None] * dh + R.half_permutation(dh, r)).flatten()
+    back = (torch.arange(heads)[:, None] * dh + M.half_permutation(dh, r)).flatten()
     assert torch.equal(wq[rows][back], wq)                                       # and half_permutation undoes it

@@ -2,8 +2,8 @@
 
 It reads only a neutral manifest and its tensors (parity/neutral.py) and imports nothing from
 transformers. One function per sublayer; every convention comes from the manifest, never from a
-family name. As it runs it reports each capture point of DESIGN.md through ``on_point(name, x)``,
-so a caller can compare and discard as it goes.
+family name. As it runs it reports each capture point (docs/design.md, "Capture points") through
+``on_point(name, x)``, so a caller can compare and discard as it goes.
 
 Shapes: B batch, S sequence, D hidden, H heads, K kv heads, Dh head_dim, V vocab.
 """

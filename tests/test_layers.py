@@ -1,0 +1,117 @@
+"""parity's modules in layers (docs/design.md, "Architecture"): no import cycle, not even through an import inside
+a function; the executor sits above the layout code and is run only by the modules that must run a model; and the
+import graph's depth, printed by every failure here, does not grow unnoticed."""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The modules outside parity/executor that import it, each with the reason it must run the executor
+EXECUTOR_USERS = {
+    "parity.candidates.neutral": "a neutral directory as a candidate is run by the executor",
+    "parity.diagnose": "each catalogued mistake is replayed in the executor to find the one that explains a failure",
+    "parity.onnx_export": "`convert --to onnx` traces the executor into the graph (and its KV cache with it)",
+    "parity.cli": "`parity run` runs a neutral directory with the executor",
+}
+
+# The longest chain of imports today, in modules ("floors"); a change that adds a floor raises it here, on purpose
+MAX_FLOORS = 16
+
+
+def package_imports() -> dict[str, set[str]]:
+    """parity's modules and the parity modules each imports, at any depth of its code (lazy imports included)."""
+    graph: dict[str, set[str]] = {}
+    for file in sorted((ROOT / "parity").rglob("*.py")):
+        module = ".".join(file.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        package = module if file.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):  # "from .x import a": .x, and .x.a where a is a module
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                name = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+                targets |= {name} | {f"{name}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        graph[module] = targets
+    # a package is imported before any of its modules: "from . import a" in it adds nothing but a
+    return {m: {t for t in ts if t in graph and t != m and not m.startswith(t + ".")} for m, ts in graph.items()}
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest chain of imports (the graph has no cycle): its depth in floors is its length."""
+    @cache
+    def chain(m: str) -> tuple[str, ...]:
+        return (m, *max((chain(t) for t in sorted(graph[m])), key=len, default=()))
+
+    return list(max((chain(m) for m in sorted(graph)), key=len))
+
+
+def _depth(graph: dict[str, set[str]]) -> str:
+    chain = longest_chain(graph)
+    return f"import graph depth {len(chain)} floors: {' -> '.join(chain)}"
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the chain of modules that closes it; None when there is none."""
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [m, t] if t in path else path + [m, t]
+            if t not in state and (found := visit(t, path + [m])):
+                return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m, [])):
+            return found
+    return None
+
+
+def _below(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module ``module`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for t in graph[todo.pop()] - seen:
+            seen.add(t)
+            todo.append(t)
+    return seen
+
+
+def test_parity_has_no_import_cycles():
+    """Not even through a function-level import: the reference kinds (golden) and the candidate kinds run below
+    the check, whose modules alone join them (they import the candidate protocol)."""
+    graph = package_imports()
+    cycle = _cycle(graph)
+    assert cycle is None, f"import cycle {' -> '.join(cycle)}"
+    joiners = {m for m, ts in graph.items() if "parity.candidates" in ts}
+    assert joiners and joiners <= _below(graph, "parity.cli"), joiners
+    for kind in ["parity.golden", *(m for m in graph if m.startswith("parity.candidates."))]:
+        assert not _below(graph, kind) & joiners, f"{kind} imports {sorted(_below(graph, kind) & joiners)}"
+
+
+def test_only_the_modules_that_run_a_model_import_the_executor():
+    """The layout code (names, checkpoints, buffers, neutral, exporters, lengths) reads RoPE's math from parity.rope;
+    parity.executor runs models and is imported only where a model is run."""
+    graph = package_imports()
+    users = {m for m, ts in graph.items() if not m.startswith("parity.executor")
+             and any(t == "parity.executor" or t.startswith("parity.executor.") for t in ts)}
+    assert users == set(EXECUTOR_USERS), (
+        f"import parity.executor only to run a model; unexpected: {sorted(users - set(EXECUTOR_USERS))}, "
+        f"no longer importing it (drop from EXECUTOR_USERS): {sorted(set(EXECUTOR_USERS) - users)}; {_depth(graph)}")
+    assert not {t for t in graph["parity.rope"] if t.startswith("parity.")}, "parity.rope is pure math"
+
+
+def test_the_import_graph_does_not_grow_deeper():
+    graph = package_imports()
+    assert _cycle(graph) is None
+    floors = len(longest_chain(graph))
+    assert floors <= MAX_FLOORS, f"{_depth(graph)}; at most {MAX_FLOORS} (tests/test_layers.py MAX_FLOORS)"
