@@ -90,7 +90,8 @@ def golden_record_cmd(reference, out, prompt, ids, inputs_file, length, dtype, p
     Example:
       parity golden record ./gemma-2-9b -o golden/gemma-2-9b --points layers --storage float16 --calibrate
     """
-    from .golden import record, size
+    from .checker.record import record
+    from .golden import size
 
     with Console(stderr=True).status("recording") as status:
         golden = record(reference, out, prompt=prompt, ids=parse_id_list(ids), length=length,

@@ -211,6 +211,22 @@ def _injected(bug: str, manifest: dict, tensors: dict[str, torch.Tensor], source
     return m, t
 
 
+def _add_vocabulary(writer, vocab: tuple[list, list] | None) -> None:
+    """The file's tokenizer: llama.cpp's byte-level BPE with the default pre-tokenizer (the check reports any other
+    tokenization), or "none" (parity feeds token ids; a file without a vocabulary says so)."""
+    import gguf
+
+    if vocab is None:
+        writer.add_tokenizer_model("none")
+        return
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab[0])
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(vocab[0]))
+    writer.add_token_merges(vocab[1])
+    writer.add_add_bos_token(False)
+
+
 def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, adapter_dirs=(),
            inject: str | None = None) -> dict:
     """Write checkpoint ``path`` as the GGUF file ``out`` (with a catalogued mistake: ``inject``)."""
@@ -262,16 +278,7 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
         writer.add_name(f"{ckpt.path.name} (parity convert --to gguf)")
         writer.add_file_type(file_type)
         rope = _metadata(writer, manifest, spec)
-        vocab = vocabulary(ckpt.path, manifest["vocab_size"])
-        if vocab is None:  # parity feeds token ids; a file without a vocabulary says so
-            writer.add_tokenizer_model("none")
-        else:  # llama.cpp's byte-level BPE with the default pre-tokenizer; the check reports any other tokenization
-            writer.add_tokenizer_model("gpt2")
-            writer.add_tokenizer_pre("default")
-            writer.add_token_list(vocab[0])
-            writer.add_token_types([gguf.TokenType.NORMAL] * len(vocab[0]))
-            writer.add_token_merges(vocab[1])
-            writer.add_add_bos_token(False)
+        _add_vocabulary(writer, vocabulary(ckpt.path, manifest["vocab_size"]))
         factors = _rope_freqs(rope or {})
         if factors is not None:
             writer.add_tensor("rope_freqs.weight", factors.numpy())

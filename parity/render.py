@@ -376,8 +376,8 @@ def _svg(report: Report, width: int = 960, height: int = 380, steps: bool = Fals
         out += [f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>',
                 f'<text x="{x(i):.1f}" y="{top + ph + 14}" text-anchor="end" '
                 f'transform="rotate(-45 {x(i):.1f} {top + ph + 14})">{escape(name)}</text>']
-    axis = "decode step (its worst point)" if steps else "capture point (forward order)"
-    out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle">{axis}</text>')
+    out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle">'
+               f'{"decode step (its worst point)" if steps else "capture point (forward order)"}</text>')
 
     def line(values: list[tuple[int, float | None]], color: str, dash: str = "") -> None:
         coords = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in values if v is not None)
@@ -406,8 +406,7 @@ def _svg(report: Report, width: int = 960, height: int = 380, steps: bool = Fals
             out.append(f'<text x="{x(i):.1f}" y="{top - 4}" text-anchor="middle" style="fill: {RED}">'
                        f'{escape(word)}</text>')
         if first is not None and (p.step == first.step if steps else p is first):
-            anchor = "start" if i < n / 2 else "end"
-            dx = 8 if anchor == "start" else -8
+            anchor, dx = ("start", 8) if i < n / 2 else ("end", -8)
             out.append(f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top}" y2="{top + ph}" stroke="{RED}" '
                        f'stroke-dasharray="3 3"/>')
             out.append(f'<text class="first-divergence" x="{x(i) + dx:.1f}" y="{top + 14}" text-anchor="{anchor}" '

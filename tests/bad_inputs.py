@@ -506,7 +506,7 @@ def _slices(tmp: Path, b: Built, *spans: str, **options) -> list[Path]:
 
 
 def _final_only_golden(tmp: Path, b: Built) -> tuple[Path]:
-    from parity.golden import record
+    from parity.checker.record import record
 
     record(b.checkpoint, tmp / "final-golden", points="final")
     return (tmp / "final-golden",)

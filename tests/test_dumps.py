@@ -18,7 +18,7 @@ from parity.cli import cli
 from parity.dumps import write_dump
 from parity.errors import ParityError
 from parity.executor.model import NeutralModel
-from parity.golden import record
+from parity.checker.record import record
 from parity.neutral import convert
 
 ROOT = Path(__file__).resolve().parent.parent

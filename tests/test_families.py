@@ -79,7 +79,7 @@ def test_capture_points_are_produced_with_the_right_shapes(family_model):
 
 
 def test_tiny_checkpoint_makes_conventions_visible(family_model):
-    """DESIGN.md's test checkpoints: norms away from init, realistic embeddings, biting softcap, short windows."""
+    """docs/design.md's test checkpoints: norms away from init, realistic embeddings, biting softcap, short windows."""
     _, ckpt, model = family_model
     r = ckpt.resolved
     state = model.state_dict()

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 import parity
 from parity.cli import cli
 from parity.errors import ParityError
-from parity.golden import open_golden, record
+from parity.checker.record import record
+from parity.golden import open_golden
 from parity.checker.run import verify_golden as verify
 from parity.neutral import convert
 from parity.tiny import make_tiny

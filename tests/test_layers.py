@@ -115,3 +115,42 @@ def test_the_import_graph_does_not_grow_deeper():
     assert _cycle(graph) is None
     floors = len(longest_chain(graph))
     assert floors <= MAX_FLOORS, f"{_depth(graph)}; at most {MAX_FLOORS} (tests/test_layers.py MAX_FLOORS)"
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name another module needs is public (no leading underscore): what a module keeps to itself may change
+    without breaking another."""
+    crossing = []
+    for file in sorted((ROOT / "parity").rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("parity")):
+                crossing += [f"{file.relative_to(ROOT)}: from {'.' * node.level}{node.module or ''} import {a.name}"
+                             for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not crossing, crossing
+
+
+def test_no_module_level_state_carries_a_checks_options():
+    """A check's options travel in its frozen plan: the modules that run a check keep no mutable module-level
+    dict or list that a check could write into (the candidate kinds' registry is a cache of modules, not
+    options)."""
+    allowed = {("parity/candidates/__init__.py", "_loaded")}
+    found = []
+    for file in sorted((ROOT / "parity").rglob("*.py")):
+        rel = str(file.relative_to(ROOT))
+        for node in ast.parse(file.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.Dict, ast.List, ast.Set)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if isinstance(t, ast.Name) and not t.id.isupper() and not t.id.startswith("__") \
+                            and (rel, t.id) not in allowed:
+                        found.append(f"{rel}: {t.id}")
+    assert not found, found
+
+
+def test_the_check_sits_above_everything_but_the_entry_points():
+    """parity.checker runs both sides, so nothing below it (goldens, candidate kinds, models) imports it: only the
+    entry points do."""
+    graph = package_imports()
+    users = {m for m, ts in graph.items() if not m.startswith("parity.checker")
+             and any(t.startswith("parity.checker") for t in ts)}
+    assert users <= {"parity", "parity.cli", "parity.cli_golden", "parity.selftest", "parity.testing"}, users

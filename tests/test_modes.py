@@ -28,7 +28,7 @@ from parity.cli import cli
 from parity.compare import Tolerance
 from parity.dumps import write_dump
 from parity.executor.model import NeutralModel
-from parity.golden import record
+from parity.checker.record import record
 from parity.neutral import convert, load
 from parity.onnx_export import export
 from parity.report import PointResult, Report

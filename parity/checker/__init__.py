@@ -7,7 +7,7 @@
     prefill.py   one prompt through both sides, judged point by point
     decoding.py  --decode N: the candidate's own cache, step by step, judged against the reference's steps
     run.py       the run loop: inputs, prefill, merge, decode, diagnosis, generation (parity.check is run.check)
+    record.py    `parity golden record`: the reference and its noise twins, stored as a golden
 
-This package's __init__ imports nothing, so that modules below it (parity.golden records with noise.py's twins)
-may import one of its modules without loading the rest.
+This package's __init__ imports nothing: importing one of its modules loads only what that module needs.
 """
