@@ -16,16 +16,18 @@ from pathlib import Path
 from typing import Annotated, Any, BinaryIO, Callable, Container, Iterator, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, model_validator
 from safetensors import safe_open
 
 from . import __version__, atomic, names
 from .adapter import Resolved, ResolvedNorm, ResolvedTensor, rope_settings
 from .checkpoint import Checkpoint, open_checkpoint, plain_file_name, stored_tensor_map
 from .errors import ParityError
+from .jsonfile import StrictSpec, check_schema, read_json
 from .lazy import Dequantizer
 from .quantization import dequantize, quantized_weights, rounding_error
-from .shards import Header, PlannedTensor, Sha256, ShardWriter, plan, read_header, sha256_file
+from .shards import (HASH, ContentHash, Hashing, Header, Pieces, PlannedTensor, ShardWriter, hash_file, plan,
+                     read_header)
 
 FORMAT = "parity-neutral"
 FORMAT_VERSION = 1
@@ -34,7 +36,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SOURCE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 READ_DTYPES = {**SOURCE_DTYPES, "F8_E4M3": torch.float8_e4m3fn}  # FP8 only with block scales (parity.quantization)
 DEFAULT_SHARD_BYTES = 5 * 2**30
-READ_CHUNK = 64 * 2**20  # source bytes read, and hashed, at a time
+READ_CHUNK = 2**20  # source bytes read, and hashed, at a time
+RING = 4  # buffers of READ_CHUNK that a streamed tensor's pieces cycle through, while earlier ones are hashed
 
 # Block norms by where they sit (see parity/names.py): the executor applies whichever are present.
 BLOCK_NORMS = ("attn_norm", "attn_post_norm", "attn_res_norm", "mlp_norm", "mlp_post_norm", "mlp_res_norm")
@@ -133,8 +136,8 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
 def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix: str | None = None,
                    hashes: bool = True) -> dict:
     """Every convention of the checkpoint as explicit values, and the tensors it becomes (files: by convert).
-    ``hashes=False`` leaves the source files' sha256 out: a manifest for running, or one whose writer hashes
-    the files as it reads them (convert, in its one pass)."""
+    ``hashes=False`` leaves the source files' hashes (``HASH``) out: a manifest for running, or one whose writer
+    hashes the files as it reads them (convert, in its one pass)."""
     r = ckpt.resolved
     prefix = prefix if prefix is not None else ckpt.variant.tensor_prefix[0]
     layers = [layer_manifest(r, i, rope_style) for i in range(r.num_layers)]
@@ -152,7 +155,8 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix
             "architecture": ckpt.variant.architectures[0],
             "model_type": ckpt.config.get("model_type"),
             "path": str(ckpt.path),
-            "files": {f.name: sha256_file(f) for f in ckpt.files} if hashes else {},
+            "hash": HASH,  # of files (absent from manifests written before BLAKE3: sha256)
+            "files": {f.name: hash_file(f) for f in ckpt.files} if hashes else {},
         },
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -272,7 +276,7 @@ def restyle_rope(name: str, x: torch.Tensor, layer: dict, source: str, target: s
     """Permute q/k rows (and what shares their layout) from ``source`` to ``target`` RoPE style."""
     if source == target:
         return x
-    from .executor.rope import half_permutation, interleave_permutation
+    from .rope import half_permutation, interleave_permutation
 
     make = interleave_permutation if target == "interleaved" else half_permutation
     rows = _rope_rows(name, layer)
@@ -304,58 +308,105 @@ def _stored_dtype(name: str, layers: list[dict], target: torch.dtype) -> torch.d
 class _Reader:
     """A checkpoint's safetensors files, each read once from front to back, READ_CHUNK bytes at a time.
 
-    Every byte read (the header, and tensors the adapter does not map) goes to the file's sha256, so the
-    manifest's source hashes cost no second pass; hashing runs on its own thread (shards.Sha256) while
-    the next piece is read and the tensor is converted and written. Tensors are read into one buffer,
-    reused: memory stays at the largest tensor (or one piece, if larger).
+    Every byte read (the header, and tensors the adapter does not map) goes to the file's hash (``HASH``), so the
+    manifest's source hashes cost no second pass; hashing runs on a thread of its own (``hashing``) while the
+    next piece is read and the tensor is converted and written. Tensors in ``streamed`` (written exactly as
+    they are stored) and those not wanted pass through a ring of RING small buffers, a piece at a time, each
+    reused once its hashes are done; the others are read whole into one buffer, reused: memory stays at the
+    largest of those (``largest``), not at the largest tensor.
     """
 
-    def __init__(self, largest: int) -> None:
-        self.buffer = torch.empty(max(largest, READ_CHUNK), dtype=torch.uint8)  # pages count once touched
-        self.sha256: dict[str, str] = {}  # file name -> hex digest, once the file was read to its end
+    def __init__(self, largest: int, hashing: Hashing) -> None:
+        self.largest = largest
+        self.hashing = hashing
+        self.buffer = torch.empty(0, dtype=torch.uint8)  # allocated at the first tensor read whole
+        self.ring: list[torch.Tensor | None] = [None] * RING
+        self.fences: list = [None] * RING  # per ring buffer: the hashing work to finish before it is reused
+        self.next = 0
+        self.digests: dict[str, str] = {}  # file name -> hex digest (HASH), once the file was read to its end
 
-    def tensors(self, file: Path, header: Header, wanted: Container[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors of ``file`` in ``wanted``, in file order; each is overwritten by the next (copy to keep)."""
-        sha = Sha256()
+    def tensors(self, file: Path, header: Header, wanted: Container[str], streamed: Container[str] = ()
+                ) -> Iterator[tuple[str, torch.Tensor | Pieces]]:
+        """The tensors of ``file`` in ``wanted``, in file order: those in ``streamed`` as Pieces (to be written
+        before the next is asked for), the others whole, each overwritten by the next (copy to keep)."""
+        src = ContentHash(HASH, self.hashing)
         try:
             with open(file, "rb", buffering=0) as f:
-                head = self._read(f, file, header.data_start, sha)
+                head = self._read(f, file, header.data_start, src)
                 if int.from_bytes(head[:8].numpy().tobytes(), "little") != header.data_start - 8:
                     raise ParityError(f"{file}: changed while it was read; convert again once nothing writes to it")
                 for name in file_order(header):
                     entry = header.tensors[name]
-                    if name in wanted:
-                        raw = self._read(f, file, entry.end - entry.begin, sha)
+                    if name in wanted and name in streamed:
+                        pieces = self._pieces(f, file, entry.end - entry.begin, src)
+                        yield name, Pieces(entry.shape, READ_DTYPES[entry.dtype], pieces)
+                        for _ in pieces:  # whatever the consumer left is still read (and hashed)
+                            pass
+                    elif name in wanted:
+                        raw = self._read(f, file, entry.end - entry.begin, src)
                         yield name, raw.view(READ_DTYPES[entry.dtype]).reshape(entry.shape)
                     else:  # hashed, not kept
-                        for start in range(entry.begin, entry.end, READ_CHUNK):
-                            self._read(f, file, min(READ_CHUNK, entry.end - start), sha)
+                        for _ in self._pieces(f, file, entry.end - entry.begin, src):
+                            pass
                 if f.read(1):
                     raise ParityError(f"{file}: grew while it was read; convert again once nothing writes to it")
-            self.sha256[file.name] = sha.hexdigest()
+            self.digests[file.name] = src.hexdigest()
         except OSError as exc:
             raise ParityError(f"{file}: cannot be read ({exc.strerror or exc})") from None
         finally:
-            sha.close()
+            src.close()
 
-    def _read(self, f: BinaryIO, file: Path, nbytes: int, sha: Sha256) -> torch.Tensor:
-        """The next ``nbytes`` of ``f``, in the buffer; each piece goes to ``sha`` as soon as it is in."""
-        sha.wait()  # the buffer is about to be overwritten
-        if nbytes > len(self.buffer):  # a header larger than any tensor
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+    def _read(self, f: BinaryIO, file: Path, nbytes: int, src: ContentHash) -> torch.Tensor:
+        """The next ``nbytes`` of ``f``, in the buffer; each piece goes to ``src`` as soon as it is in."""
+        src.wait()  # the buffer is about to be overwritten (its output hash, if any, was waited for by the writer)
+        if nbytes > len(self.buffer):
+            self.buffer = torch.empty(max(nbytes, self.largest), dtype=torch.uint8)  # pages count once touched
         out = self.buffer[:nbytes]
         view = memoryview(out.numpy())
         for start in range(0, nbytes, READ_CHUNK):
             piece = view[start:start + READ_CHUNK]
-            done = 0
-            while done < len(piece):
-                n = f.readinto(piece[done:])
-                if not n:
-                    raise ParityError(f"{file}: ends before the tensor data its header promises; it was truncated "
-                                      f"while it was read")
-                done += n
-            sha.update(piece)
+            _fill(f, file, piece)
+            src.update(piece)
         return out
+
+    def _pieces(self, f: BinaryIO, file: Path, nbytes: int, src: ContentHash) -> Iterator[memoryview]:
+        """The next ``nbytes`` of ``f``, READ_CHUNK at a time, each in the next buffer of the ring and fed to
+        ``src``; a piece is valid until the next is asked for, and its buffer is reused only once everything
+        fed to the hashing thread by then (its source and output hashes) is done."""
+        for start in range(0, nbytes, READ_CHUNK):
+            k, self.next = self.next, (self.next + 1) % RING
+            if self.fences[k] is not None:
+                self.fences[k].result()
+                self.fences[k] = None
+            size = min(READ_CHUNK, nbytes - start)
+            if self.ring[k] is None or len(self.ring[k]) < size:
+                self.ring[k] = torch.empty(READ_CHUNK, dtype=torch.uint8)
+            piece = memoryview(self.ring[k].numpy())[:size]
+            _fill(f, file, piece)
+            src.update(piece)
+            yield piece
+            self.fences[k] = self.hashing.last
+
+
+def _fill(f: BinaryIO, file: Path, piece: memoryview) -> None:
+    """Read exactly ``len(piece)`` bytes of ``f`` into ``piece``."""
+    done = 0
+    while done < len(piece):
+        n = f.readinto(piece[done:])
+        if not n:
+            raise ParityError(f"{file}: ends before the tensor data its header promises; it was truncated "
+                              f"while it was read")
+        done += n
+
+
+def _as_stored(t: ResolvedTensor, shape: tuple[int, ...], dtype: torch.dtype,
+               finish: Callable[[str, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether checkpoint tensor ``t`` becomes one neutral tensor of exactly its stored bytes (no fold, transpose,
+    split, RoPE permutation or cast by to_neutral, then ``finish``), so that it can be copied a piece at a time:
+    found by converting a tensor of its shape on the meta device, which changed nothing if it is returned."""
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    out = list(to_neutral(t, x))
+    return len(out) == 1 and finish(*out[0]) is x
 
 
 def file_order(header: Header) -> list[str]:
@@ -363,7 +414,9 @@ def file_order(header: Header) -> list[str]:
     return sorted(header.tensors, key=lambda name: (header.tensors[name].begin, header.tensors[name].end))
 
 
-def _check_for_conversion(ckpt: Checkpoint) -> None:
+def check_convertible(ckpt: Checkpoint) -> None:
+    """Refuse a checkpoint that cannot be converted: no weights, tensors its adapter does not expect or of a dtype
+    parity does not convert, or a saved head that disagrees with the tied one the neutral model would use."""
     if not ckpt.has_weights:
         raise ParityError(f"{ckpt.path}: no weights (a config alone cannot be converted); give a checkpoint directory")
     check = ckpt.check()
@@ -396,7 +449,7 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
             adapter_dirs=(), max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
     """Convert a checkpoint directory into the neutral layout at ``out``; returns the manifest."""
     ckpt = open_checkpoint(Path(path), adapter_dirs)
-    _check_for_conversion(ckpt)
+    check_convertible(ckpt)
     r = ckpt.resolved
     check = ckpt.check()
     if dtype is not None and dtype not in DTYPES:
@@ -422,34 +475,46 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
                for n in order]
     layer_of = lambda name: manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None  # noqa: E731
 
-    reader = _Reader(max(h.tensors[n].end - h.tensors[n].begin for h in headers.values() for n in h.tensors
-                         if n in tensor_map))
-    with atomic.output_dir(Path(out), force=force) as tmp:
+    def finish(name: str, y: torch.Tensor) -> torch.Tensor:
+        """A neutral tensor as it is written: q/k rows in the target RoPE style, at the manifest's dtype."""
+        layer = layer_of(name)
+        if layer is not None:
+            y = restyle_rope(name, y, layer, source_style, style)
+        return y.to(getattr(torch, manifest["tensors"][name]["dtype"]))
+
+    # tensors written exactly as stored are copied a piece at a time as they are read; the rest are read whole
+    entries = {n: h.tensors[n] for h in headers.values() for n in h.tensors if n in tensor_map}
+    streamed = {n for n, e in entries.items() if not deq.quantized(n)
+                and _as_stored(tensor_map[n], e.shape, READ_DTYPES[e.dtype], finish)}
+    largest = max((e.end - e.begin for n, e in entries.items() if n not in streamed), default=0)
+    with atomic.output_dir(Path(out), force=force) as tmp, Hashing() as hashing:
+        reader = _Reader(largest, hashing)
         shards = plan(outputs, tmp, max_shard_bytes)
         where = {t.name: s.path.name for s in shards for t in s.tensors}
         writers = iter(shards)
         shard = next(writers)
-        writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT})
+        writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT}, hashing)
         written = 0
         files: dict[str, dict] = {}
         for f in ckpt.files:
-            for hf_name, x in reader.tensors(f, headers[f], tensor_map):
-                if deq.quantized(hf_name):  # in float32; written at the target dtype, whose rounding is measured
-                    x = dequantize(x, deq.scale(hf_name), ckpt.quantization.block)
-                    errors[hf_name] = rounding_error(x, target)
-                for name, y in to_neutral(tensor_map[hf_name], x):
-                    layer = layer_of(name)
-                    if layer is not None:
-                        y = restyle_rope(name, y, layer, source_style, style)
+            for hf_name, x in reader.tensors(f, headers[f], tensor_map, streamed):
+                if isinstance(x, Pieces):  # written as stored, each piece as soon as it is read
+                    neutral = [(tensor_map[hf_name].neutral[0], x)]
+                else:
+                    if deq.quantized(hf_name):  # in float32; written at the target dtype, whose rounding is measured
+                        x = dequantize(x, deq.scale(hf_name), ckpt.quantization.block)
+                        errors[hf_name] = rounding_error(x, target)
+                    neutral = ((name, finish(name, y)) for name, y in to_neutral(tensor_map[hf_name], x))
+                for name, y in neutral:
                     if written == len(shard.tensors):
-                        files[shard.path.name] = {"sha256": writer.close(), "bytes": shard.path.stat().st_size}
+                        files[shard.path.name] = {HASH: writer.close(), "bytes": shard.path.stat().st_size}
                         shard = next(writers)
-                        writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT})
+                        writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT}, hashing)
                         written = 0
-                    writer.write(name, y.to(getattr(torch, manifest["tensors"][name]["dtype"])))
+                    writer.write(name, y)
                     written += 1
-        files[shard.path.name] = {"sha256": writer.close(), "bytes": shard.path.stat().st_size}
-        manifest["source"]["files"] = reader.sha256
+        files[shard.path.name] = {HASH: writer.close(), "bytes": shard.path.stat().st_size}
+        manifest["source"]["files"] = reader.digests
         if ckpt.quantization is not None:
             manifest["source"]["quantization"] = dequantization_summary(ckpt.quantization, errors, target)
         for name, info in manifest["tensors"].items():
@@ -493,22 +558,6 @@ _PosNum = Annotated[float, Field(allow_inf_nan=False, gt=0)]
 _NonNegNum = Annotated[float, Field(allow_inf_nan=False, ge=0)]
 _Activation = Literal["gelu_exact", "gelu_tanh", "silu", "relu"]  # executor.ops.ACTIVATIONS
 STORED_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}  # name -> safetensors'
-
-
-class StrictSpec(BaseModel):
-    """A JSON description's schema: no coercion ("4" is not 4, true is not 1); keys it does not name are ignored."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-def validation_problem(exc: ValidationError) -> str:
-    """pydantic's first error as 'where: what (got value)', with a count of the others."""
-    errors = exc.errors()
-    err = errors[0]
-    where = ".".join(str(part) for part in err["loc"])
-    got = "" if err["type"] == "missing" else f" (got {json.dumps(err['input'], default=str)[:40]})"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where}: {err['msg'][:120]}{got}{more}"
 
 
 class _NormSpec(StrictSpec):
@@ -647,12 +696,20 @@ class _TensorSpec(StrictSpec):
 
 
 class _FileSpec(StrictSpec):
-    sha256: str
+    blake3: Optional[str] = None  # HASH; manifests written before it have sha256
+    sha256: Optional[str] = None
     bytes: _Count
+
+    @model_validator(mode="after")
+    def _one_hash(self) -> _FileSpec:
+        if (self.blake3 is None) == (self.sha256 is None):
+            raise ValueError("needs one hash: blake3 (or sha256, in manifests written before parity used BLAKE3)")
+        return self
 
 
 class _Source(StrictSpec):
     family: str
+    hash: Literal["blake3", "sha256"] = "sha256"  # of files; absent before parity used BLAKE3
 
 
 class _ManifestSpec(StrictSpec):
@@ -671,7 +728,7 @@ class _ManifestSpec(StrictSpec):
     files: Annotated[dict[str, _FileSpec], Field(min_length=1)]
 
 
-# RoPE scaling parameters per type, as executor/rope.py reads them: (required, optional) -> kind of value
+# RoPE scaling parameters per type, as parity/rope.py reads them: (required, optional) -> kind of value
 _SCALING_PARAMS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "default": ({}, {}),
     "linear": ({"factor": "positive"}, {}),
@@ -702,7 +759,7 @@ _SCALING_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 
 
 def _check_scaling(rope: dict, where: str) -> list[str]:
-    """Problems with one layer's RoPE scaling (executor/rope.py SCALINGS), as 'where: what' strings."""
+    """Problems with one layer's RoPE scaling (parity/rope.py SCALINGS), as 'where: what' strings."""
     scaling = rope.get("scaling") or {}
     kind = scaling.get("rope_type", "default")
     if not isinstance(kind, str) or kind not in _SCALING_PARAMS:
@@ -840,10 +897,7 @@ def validate_manifest(manifest: Any, file: Path) -> None:
         raise ParityError(f"{file}: expected a JSON object, found {type(manifest).__name__}; {fix}")
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise ParityError(f"{file}: not a {FORMAT} v{FORMAT_VERSION} manifest; {fix}")
-    try:
-        _ManifestSpec.model_validate(manifest)
-    except ValidationError as exc:
-        raise ParityError(f"{file}: {validation_problem(exc)}; {fix}") from None
+    check_schema(_ManifestSpec, manifest, file, fix)
     problems = _cross_checks(manifest)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -856,14 +910,14 @@ def read_manifest(path: Path) -> dict:
     file = path / MANIFEST if path.is_dir() else path
     if not file.is_file():
         raise ParityError(f"{path}: no {MANIFEST}; give a directory written by `parity convert --to neutral`")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ParityError(f"{file}: not valid JSON ({str(exc)[:160]}); re-convert with `parity convert`") from None
-    except OSError as exc:
-        raise ParityError(f"{file}: cannot be read ({exc.strerror or exc})") from None
+    manifest = read_json(file, "re-convert with `parity convert`")
     validate_manifest(manifest, file)
     return manifest
+
+
+def file_hash(info: dict) -> tuple[str, str]:
+    """A manifest ``files`` entry's (algorithm, hex digest): blake3, or sha256 in manifests written before."""
+    return ("blake3", info["blake3"]) if info.get("blake3") is not None else ("sha256", info["sha256"])
 
 
 def load(path: Path, *, verify: bool = False, lazy: bool = False) -> tuple[dict, Any]:
@@ -902,9 +956,10 @@ def load(path: Path, *, verify: bool = False, lazy: bool = False) -> tuple[dict,
         return manifest, NeutralSource(manifest, directory)
     tensors: dict[str, torch.Tensor] = {}
     for file, info in manifest["files"].items():
-        if verify and sha256_file(directory / file) != info["sha256"]:
-            raise ParityError(f"{directory / file}: sha256 differs from the manifest; the file changed after "
-                              f"conversion")
+        algorithm, digest = file_hash(info)
+        if verify and hash_file(directory / file, algorithm) != digest:
+            raise ParityError(f"{directory / file}: its {algorithm} differs from the manifest's; the file changed "
+                              f"after conversion")
         try:
             with safe_open(directory / file, framework="pt") as handle:
                 for name in handle.keys():

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from parity.cli import cli
-from parity.neutral import convert, load
-from parity.shards import sha256_file
+from parity.errors import ParityError
+from parity.neutral import convert, load, read_manifest
+from parity.shards import hash_file, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,9 +51,9 @@ def test_manifest_states_conventions_and_hashes(tiny_dir, tmp_path):
     src = tiny_dir("gemma2")
     manifest = convert(src, tmp_path / "out")
     assert manifest["source"]["family"] == "gemma2"
-    assert manifest["source"]["files"]["model.safetensors"] == sha256_file(src / "model.safetensors")
+    assert manifest["source"]["files"]["model.safetensors"] == hash_file(src / "model.safetensors", "blake3")
     for name, info in manifest["files"].items():
-        assert sha256_file(tmp_path / "out" / name) == info["sha256"]
+        assert hash_file(tmp_path / "out" / name, "blake3") == info["blake3"]
     layer0, layer1 = manifest["layers"][:2]
     assert layer0["attention"]["sliding_window"] == 8 and layer1["attention"]["sliding_window"] is None
     assert layer0["attention"]["softcap"] == 0.5 and manifest["head"]["softcap"] == 0.1
@@ -92,6 +93,54 @@ def test_sharded_output_has_an_index_and_loads(tiny_dir, tmp_path):
     assert set(index["weight_map"]) == set(manifest["tensors"])
     _, tensors = load(tmp_path / "out", verify=True)
     assert set(tensors) == set(manifest["tensors"])
+
+
+def _tamper(path: Path) -> None:
+    """Flip one byte in the middle of ``path`` (its tensor data: the header still reads)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _as_written_before_blake3(out: Path, src: Path) -> dict:
+    """Rewrite ``out``'s manifest as parity wrote it before BLAKE3: sha256 of every source and output file, no
+    source.hash."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["source"]["hash"]
+    manifest["source"]["files"] = {name: sha256_file(src / name) for name in manifest["source"]["files"]}
+    manifest["files"] = {name: {"sha256": sha256_file(out / name), "bytes": info["bytes"]}
+                         for name, info in manifest["files"].items()}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def test_a_new_manifest_records_blake3_and_verifies(tiny_dir, tmp_path):
+    src = tiny_dir("llama")
+    manifest = convert(src, tmp_path / "out", max_shard_bytes=64 * 1024)
+    assert manifest["source"]["hash"] == "blake3" and len(manifest["files"]) > 1
+    assert manifest["source"]["files"] == {"model.safetensors": hash_file(src / "model.safetensors", "blake3")}
+    for name, info in manifest["files"].items():
+        assert info == {"blake3": hash_file(tmp_path / "out" / name, "blake3"),
+                        "bytes": (tmp_path / "out" / name).stat().st_size}
+    assert read_manifest(tmp_path / "out") == manifest
+    load(tmp_path / "out", verify=True)
+    _tamper(tmp_path / "out" / sorted(manifest["files"])[-1])
+    with pytest.raises(ParityError, match="its blake3 differs from the manifest's; the file changed after conversion"):
+        load(tmp_path / "out", verify=True)
+
+
+def test_an_old_sha256_manifest_still_reads_and_verifies(tiny_dir, tmp_path):
+    src = tiny_dir("llama")
+    convert(src, tmp_path / "out", max_shard_bytes=64 * 1024)
+    old = _as_written_before_blake3(tmp_path / "out", src)
+    assert read_manifest(tmp_path / "out") == old
+    _, tensors = load(tmp_path / "out", verify=True)
+    assert set(tensors) == set(old["tensors"])
+    assert run("run", tmp_path / "out", "--ids", "1,2,3").exit_code == 0
+    victim = tmp_path / "out" / sorted(old["files"])[0]
+    _tamper(victim)
+    with pytest.raises(ParityError, match=f"{victim.name}: its sha256 differs from the manifest's"):
+        load(tmp_path / "out", verify=True)
 
 
 def _edit(path: Path, change) -> None:

@@ -23,7 +23,7 @@ from parity.checkpoint import check_tensors, open_checkpoint
 from parity.cli import cli
 from parity.executor.model import NeutralModel
 from parity.neutral import DTYPES, build_manifest, convert, load, restyle_rope, to_neutral
-from parity.shards import DTYPE_NAMES, read_header, sha256_file
+from parity.shards import DTYPE_NAMES, HASH, hash_file, read_header
 
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(24)]])
 SHARDS = 3
@@ -65,7 +65,7 @@ def resharded(src: Path, out: Path, extra: dict[str, torch.Tensor] | None = None
 
 
 def reference(src: Path, dtype: str | None = None, rope_style: str | None = None) -> tuple[dict, dict]:
-    """The conversion done the plain way: the manifest with the source hashed by sha256_file, and every tensor
+    """The conversion done the plain way: the manifest with the source hashed by hash_file, and every tensor
     loaded whole (safetensors' own reader) and converted in the adapter's order."""
     ckpt = open_checkpoint(src)
     r = ckpt.resolved
@@ -123,7 +123,7 @@ def test_a_sharded_source_converts_as_the_plain_way_does(family, options, tiny_d
     assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == manifest
     assert len(manifest["files"]) > 1
     for file, info in manifest["files"].items():
-        assert info == {"sha256": sha256_file(tmp_path / "out" / file),
+        assert info == {HASH: hash_file(tmp_path / "out" / file),
                         "bytes": (tmp_path / "out" / file).stat().st_size}
     _, tensors = load(tmp_path / "out", verify=True)
     assert tensors.keys() == expected.keys()
@@ -177,11 +177,11 @@ def test_each_source_byte_is_read_once(tiny_dir, tmp_path, monkeypatch):
     def no_second_pass(*args, **kwargs):
         raise AssertionError("the source was read a second time")
 
-    monkeypatch.setattr(neutral, "sha256_file", no_second_pass)
+    monkeypatch.setattr(neutral, "hash_file", no_second_pass)
     monkeypatch.setattr(neutral, "safe_open", no_second_pass)
     manifest = convert(src, tmp_path / "out")
     assert reads == {f.name: f.stat().st_size for f in src.glob("*.safetensors")}
-    assert manifest["source"]["files"] == {f.name: sha256_file(f) for f in sorted(src.glob("*.safetensors"))}
+    assert manifest["source"]["files"] == {f.name: hash_file(f) for f in sorted(src.glob("*.safetensors"))}
 
 
 def test_pieces_smaller_than_a_tensor_give_the_same_bytes(tiny_dir, tmp_path, monkeypatch):
@@ -191,11 +191,37 @@ def test_pieces_smaller_than_a_tensor_give_the_same_bytes(tiny_dir, tmp_path, mo
     convert(src, tmp_path / "whole")
     monkeypatch.setattr(neutral, "READ_CHUNK", 1000)
     manifest = convert(src, tmp_path / "pieces")
-    assert manifest["source"]["files"] == {f.name: sha256_file(f) for f in sorted(src.glob("*.safetensors"))}
+    assert manifest["source"]["files"] == {f.name: hash_file(f) for f in sorted(src.glob("*.safetensors"))}
     whole = sorted(p.name for p in (tmp_path / "whole").iterdir())
     assert whole == sorted(p.name for p in (tmp_path / "pieces").iterdir())
     for name in whole:
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "pieces" / name).read_bytes(), name
+
+
+def test_tensors_written_as_stored_are_streamed_and_give_the_same_bytes(tiny_dir, tmp_path, monkeypatch):
+    """A tensor that converts to its own bytes is copied a piece at a time through the reader's ring (no buffer of
+    its size), the others read whole: the output is byte for byte that of reading every tensor whole."""
+    src, _ = resharded(tiny_dir("llama"), tmp_path / "src")
+    monkeypatch.setattr(neutral, "READ_CHUNK", 1000)  # many more pieces than ring buffers
+    buffers = []
+    whole = neutral._Reader._read
+
+    def recording(self, *args):
+        out = whole(self, *args)
+        buffers.append(len(self.buffer))
+        return out
+
+    monkeypatch.setattr(neutral._Reader, "_read", recording)
+    streamed = convert(src, tmp_path / "streamed")
+    assert max(buffers) < 1000 * neutral.RING  # the headers only: every llama tensor is written as stored
+    monkeypatch.setattr(neutral, "_as_stored", lambda *args: False)
+    assert convert(src, tmp_path / "whole") == streamed
+    assert max(buffers) == max(len(t) for t in load_file(tiny_dir("llama") / "model.safetensors").values()
+                               for t in [t.reshape(-1).view(torch.uint8)])
+    names = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "streamed").iterdir())
+    for name in names:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
 
 
 @pytest.mark.parametrize("change,says", [

@@ -311,6 +311,11 @@ def _put(path: str, value):
     (_tensor("layers.1.attn.o.weight", dict.pop), "tensors: layers.1.attn.o.weight is missing"),
     (_tensor("final_norm.weight", lambda t, n: t[n].update(file="other.safetensors")), "name file 'other.safetensors'"),
     (_put("capture_points", "embed"), "capture_points: Input should be a valid list"),
+    (lambda m: m["files"]["model.safetensors"].pop("blake3") and None,
+     "files.model.safetensors: Value error, needs one hash: blake3 \\(or sha256"),
+    (lambda m: m["files"]["model.safetensors"].update(sha256="0" * 64), "needs one hash"),
+    (lambda m: m["files"]["model.safetensors"].update(blake3=7), "files.model.safetensors.blake3: Input should be"),
+    (_put("source.hash", "md5"), "source.hash: Input should be 'blake3' or 'sha256'"),
 ])
 def test_a_bad_manifest_is_refused_at_load(neutral, change, problem):
     _edit_manifest(neutral, change)
@@ -331,6 +336,27 @@ def test_manifest_files_outside_the_directory_are_refused(neutral, files, proble
     _edit_manifest(neutral, change)
     monkeypatch.setattr(shards, "open", lambda *a, **k: pytest.fail(f"opened {a[0]}"), raising=False)
     refused(problem, load, neutral)
+
+
+def test_a_manifest_hashes_its_files_with_blake3_and_older_sha256_ones_still_verify(neutral):
+    manifest = read_manifest(neutral)
+    assert manifest["source"]["hash"] == "blake3" and list(manifest["files"]["model.safetensors"]) == ["blake3", "bytes"]
+    load(neutral, verify=True)
+
+    def as_before(m):  # what parity wrote before BLAKE3: sha256 everywhere, no source.hash
+        del m["source"]["hash"]
+        m["files"]["model.safetensors"] = {"sha256": shards.sha256_file(neutral / "model.safetensors"),
+                                           "bytes": m["files"]["model.safetensors"]["bytes"]}
+
+    _edit_manifest(neutral, as_before)
+    assert read_manifest(neutral)["files"]["model.safetensors"]["sha256"]
+    load(neutral, verify=True)
+    data = bytearray((neutral / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (neutral / "model.safetensors").write_bytes(bytes(data))
+    refused("model.safetensors: its sha256 differs from the manifest's; the file changed after conversion", load,
+            neutral, verify=True)
+    load(neutral)  # unverified, as `parity run` and `check` read it
 
 
 def test_the_files_must_hold_what_the_manifest_states(neutral):
