@@ -244,7 +244,7 @@ def run_cmd(path, prompt, ids, top_k, dtype):
     import torch
 
     from .executor.model import NeutralModel
-    from .neutral import load
+    from .manifest import load
 
     manifest, tensors = load(path)
     tokenizer = _tokenizer(path)

@@ -101,7 +101,8 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
         wanted = {point}
         run = lambda m, t: _run_layer(m, t, dtype, layer, layer_input, wanted)  # noqa: E731
     else:
-        from .neutral import convert, load
+        from .neutral import convert
+        from .manifest import load
 
         wanted = {point} | ({final} if final else set())
         with tempfile.TemporaryDirectory(prefix="parity-diagnose-") as tmp:
@@ -156,7 +157,8 @@ def diagnose_decode(reference_dir: Path, kept: dict, ids: torch.Tensor, tokens: 
     is run by the executor from the converted reference: the prompt, then the same tokens, one step at a time
     with its cache, to the failing step."""
     from .executor.model import NeutralModel
-    from .neutral import convert, load
+    from .neutral import convert
+    from .manifest import load
 
     step, point = kept["step"], kept["point"]
     candidate, reference = kept["candidate"], kept["reference"]

@@ -122,7 +122,8 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
     ``inject`` writes a deliberately broken export (a catalogued porting mistake, see parity bugs), so
     that an engine team can rehearse its gate; a decode bug, with ``kv_cache``, is the cache policy the graph
     runs. ``kv_cache`` adds past key/value inputs and present outputs (see the module docstring)."""
-    from .neutral import convert, load
+    from .neutral import convert
+    from .manifest import load
 
     dtype = dtype or "float32"
     if dtype not in DTYPES:

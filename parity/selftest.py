@@ -69,7 +69,7 @@ def run(families: list[str] | None = None, dtype: str | None = None,
 
         for family in chosen:
             src, neutral = tiny(family, None)
-            from .neutral import read_manifest
+            from .manifest import read_manifest
 
             manifest = read_manifest(neutral)
             applicable = bugs.applicable(manifest)

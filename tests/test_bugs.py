@@ -12,7 +12,8 @@ import parity
 from parity import bugs, selftest
 from parity.adapter import load_all
 from parity.cli import cli
-from parity.neutral import convert, load
+from parity.neutral import convert
+from parity.manifest import load
 
 from .design_doc import plain, table
 

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from parity.cli import cli
 from parity.errors import ParityError
-from parity.neutral import convert, load, read_manifest
+from parity.neutral import convert
+from parity.manifest import load, read_manifest
 from parity.shards import hash_file, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent

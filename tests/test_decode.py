@@ -19,7 +19,7 @@ from parity.cli import cli
 from parity.decode import crossings, prompt_length
 from parity.errors import ParityError
 from parity.executor.model import NeutralModel
-from parity.neutral import load
+from parity.manifest import load
 from parity.checker.run import check
 
 from .conftest import FAMILIES

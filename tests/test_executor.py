@@ -9,7 +9,8 @@ import transformers
 from parity.capture import run_and_capture
 from parity.checkpoint import open_checkpoint
 from parity.executor.model import NeutralModel
-from parity.neutral import convert, load
+from parity.neutral import convert
+from parity.manifest import load
 
 from .conftest import FAMILIES
 

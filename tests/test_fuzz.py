@@ -35,7 +35,7 @@ from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import inside, inventory, open_checkpoint
 from parity.errors import ParityError
 from parity.golden import open_golden
-from parity.neutral import load
+from parity.manifest import load
 from parity.report import Report, merge_slices
 from parity.candidates import Candidate
 from parity.models import Models

@@ -29,7 +29,8 @@ from parity.compare import Tolerance
 from parity.dumps import write_dump
 from parity.executor.model import NeutralModel
 from parity.checker.record import record
-from parity.neutral import convert, load
+from parity.neutral import convert
+from parity.manifest import load
 from parity.onnx_export import export
 from parity.report import PointResult, Report
 from parity.rope import half_permutation

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,8 @@ from parity.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
 from parity.executor.model import NeutralModel
 from parity.executor.moe import moe, route
-from parity.neutral import convert, load
+from parity.neutral import convert
+from parity.manifest import load
 
 from .conftest import ADAPTERS, FIXTURES, real_config
 

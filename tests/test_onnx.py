@@ -29,7 +29,8 @@ from parity import onnx_graph
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
 from parity.executor.model import NeutralModel
-from parity.neutral import convert, load
+from parity.neutral import convert
+from parity.manifest import load
 
 from . import onnx_helpers
 from .conftest import FAMILIES

@@ -20,7 +20,7 @@ from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import open_checkpoint, read_config
 from parity.errors import ParityError
 from parity.golden import open_golden
-from parity.neutral import load, read_manifest
+from parity.manifest import load, read_manifest
 from parity.candidates import Candidate, Notes
 from parity.models import Models
 

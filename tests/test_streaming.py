@@ -20,7 +20,7 @@ from parity.inputs import make_inputs
 from parity.checkpoint import open_checkpoint
 from parity.errors import ParityError
 from parity.executor.model import NeutralModel
-from parity.neutral import load
+from parity.manifest import load
 
 from .conftest import FAMILIES
 

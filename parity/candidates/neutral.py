@@ -23,7 +23,7 @@ def load(models: Models, path: Path, dtype: torch.dtype, inject: str | None = No
     """The executor's model for a neutral directory, loaded once per check (and per injected mistake)."""
     from .. import bugs
     from ..executor.model import NeutralModel
-    from ..neutral import load as read
+    from ..manifest import load as read
 
     key = (KIND, str(path), dtype, inject)
     if key not in models.loaded:
@@ -60,14 +60,14 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
 
 def shapes(path: Path, adapter_dirs=()) -> list:
     """The shapes of the weights parity will hold to run it (the check decides from them whether to stream)."""
-    from ..neutral import read_manifest
+    from ..manifest import read_manifest
 
     return [info["shape"] for info in read_manifest(path)["tensors"].values()]
 
 
 def describe(path: Path) -> dict:
     """What the report's candidate entry adds: how a quantized source was dequantized by convert."""
-    from ..neutral import read_manifest
+    from ..manifest import read_manifest
 
     q = read_manifest(path)["source"].get("quantization")
     return {} if q is None else {"quantization": q}
@@ -76,7 +76,7 @@ def describe(path: Path) -> dict:
 def check_span(path: Path, start: int, stop: int) -> None:
     """A slice --layers START:STOP starts from the reference's input to layer START: a layer of the slice that
     reuses the keys and values of an earlier layer outside it cannot run."""
-    from ..neutral import read_manifest
+    from ..manifest import read_manifest
 
     for i, layer in enumerate(read_manifest(path)["layers"][start:stop], start):
         source = layer["attention"].get("kv_shared_from")

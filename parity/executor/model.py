@@ -51,7 +51,7 @@ class NeutralModel:
 
     @classmethod
     def load(cls, path, dtype: torch.dtype | None = None) -> "NeutralModel":
-        from ..neutral import load
+        from ..manifest import load
 
         manifest, tensors = load(path)
         return cls(manifest, tensors, dtype)
