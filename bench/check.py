@@ -1,9 +1,9 @@
 """Benchmark `parity check --layerwise` at real sizes; prints ratios, not times.
 
-    python bench/check.py [--dir /tmp/parity-bench-check] [--length 128] [--layers 32] [--skip-8b] [--skip-1b]
+    python bench/check.py [--dir /tmp/parity-bench-check] [--length N] [--layers 32] [--rounds 5]
+                          [--skip-8b] [--skip-1b] [--skip-gemma] [--only llama-1b|llama-8b|gemma3-270m]
 
-Two models, both Llama-shaped with seeded random bfloat16 weights, written a tensor at a time (so that making
-them needs little memory):
+Three models with seeded random weights, written a tensor at a time (so that making them needs little memory):
 
 - Llama-3.1-8B-shaped (32 layers, vocabulary 128,256, about 16 GB): too big for this machine's memory as a
   float32 reference (32 GB), so the check streams its weights a layer at a time. It is converted with
@@ -12,9 +12,18 @@ them needs little memory):
   exported with `parity convert --to onnx --dtype float16` (weights streamed into external data).
 - Llama-3.2-1B-shaped (16 layers, about 2.5 GB), which fits: check time / (plain transformers forward + plain
   executor forward), once `--stream` and once `--no-stream`.
+- Gemma-3-270M-shaped (google/gemma-3-270m's config: hidden 640, 18 layers, 4 heads, 1 KV head, head_dim 256,
+  vocabulary 262,144, sliding window 512, 5 sliding : 1 global, tied embeddings) in float32, 1.07 GB, which
+  fits; checked `--layerwise` at 528 tokens. Its logits ([528, 262144], 553 MB a side) are half the checkpoint,
+  so holding a side's twice, or both sides' beside a model, shows at once. Printed: the check's peak RSS /
+  checkpoint size, and (start-up + check) / (start-up + transformers forward + executor forward), where
+  start-up is the time from spawning a child to the end of its imports (python, torch, transformers, parity),
+  as every child reports it, the median over all; each of the three is run `--rounds` times, alternated, and
+  its median taken.
 
 Every measured command runs in its own child process (bench/harness.py): peak RSS is the child's own (VmHWM);
-the check and the forwards time themselves from after their imports; convert and cp are timed whole.
+the check and the forwards time themselves from after their imports (and report their start-up before that);
+convert and cp are timed whole.
 The forwards are `parity.checker.run.plain_forward`: load the model, run the prompt, no capture, no comparison.
 """
 
@@ -29,15 +38,20 @@ import time
 from pathlib import Path
 
 import torch
-from harness import cli, llama_config, make_checkpoint, run
+from harness import STARTUP_LINE, cli, gemma3_config, llama_config, make_checkpoint, run
 
 LLAMA_31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False}
 LLAMA_32_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
                "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True}
+GEMMA_3_270M = {"hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+                "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "sliding_window": 512,
+                "query_pre_attn_scalar": 256, "tie_word_embeddings": True}
+CASES = ("llama-1b", "llama-8b", "gemma3-270m")
 
-# both import what a check imports (torch, transformers, parity) before their clocks start
-IMPORTS = "import time, torch, transformers, parity.cli, parity.checker.run\n"
+# both import what a check imports (torch, transformers, parity) before their clocks start, and say how long
+# that took them since they were spawned
+IMPORTS = "import os, time, torch, transformers, parity.cli, parity.checker.run\n" + STARTUP_LINE
 FORWARD = (IMPORTS + "from pathlib import Path; from parity.checker.run import plain_forward\n"
            "path, length, stream = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == 'stream'\n"
            "t = time.perf_counter()\n"
@@ -52,11 +66,15 @@ CHECK = (IMPORTS + "from parity.cli import cli; t = time.perf_counter()\n"
 
 def forward(path: Path, length: int, stream: bool) -> float:
     """One plain forward in a child: seconds from loading the model to the logits (imports excluded)."""
+    return forward_run(path, length, stream).seconds
+
+
+def forward_run(path: Path, length: int, stream: bool):
     result = run(FORWARD, f"forward {path.name} ({'streamed' if stream else 'whole'})", str(path), str(length),
                  "stream" if stream else "whole")
     if result.exit != 0:
         raise SystemExit(f"the forward of {path} failed")
-    return result.seconds
+    return result
 
 
 def check(reference: Path, candidate: Path, length: int, *flags: str):
@@ -123,25 +141,58 @@ def fits(root: Path, length: int) -> None:
     print(f"  (streamed forwards / plain forwards: {streamed / plain:.2f})", flush=True)
 
 
+def gemma(root: Path, length: int, rounds: int) -> None:
+    ckpt, neutral = root / "gemma3-270m", root / "gemma3-270m.neutral"
+    nbytes, _ = make_checkpoint(ckpt, gemma3_config(GEMMA_3_270M, torch.float32), torch.float32)
+    print(f"Gemma-3-270M-shaped, float32: {nbytes / 1e9:.2f} GB; prompt of {length} tokens", flush=True)
+    cli("parity convert --to neutral", "convert", str(ckpt), "--to", "neutral", "-o", str(neutral))
+    refs, cands, checks = [], [], []
+    for _ in range(rounds):  # alternated, so that other load on the machine falls on all three alike
+        refs.append(forward_run(ckpt, length, False))
+        cands.append(forward_run(neutral, length, False))
+        checks.append(check(ckpt, neutral, length))
+    startup = statistics.median(r.startup for r in refs + cands + checks)
+    ref, cand, chk = (statistics.median(r.seconds for r in runs) for runs in (refs, cands, checks))
+    peak = max(r.peak for r in checks)
+    print(f"  start-up (spawn to imports done, median of {3 * rounds} children): {startup:.1f} s; medians of "
+          f"{rounds} rounds: transformers forward {ref:.1f} s, executor forward {cand:.1f} s, check {chk:.1f} s")
+    print(f"  (forwards' peak RSS / checkpoint size: transformers {max(r.peak for r in refs) / nbytes:.2f}, "
+          f"executor {max(r.peak for r in cands) / nbytes:.2f})")
+    print(f"  check peak RSS:                         {peak / 2**30:.2f} GiB")
+    print(f"  check peak RSS / checkpoint size:       {peak / nbytes:.2f}")
+    print(f"  (start-up + check) / (start-up + transformers forward + executor forward): "
+          f"{(startup + chk) / (startup + ref + cand):.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/parity-bench-check"))
-    parser.add_argument("--length", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--length", type=int, help="prompt tokens (default: 128 for the Llama shapes, 528 for Gemma)")
     parser.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model (32 is the real one)")
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--skip-1b", action="store_true")
+    parser.add_argument("--skip-gemma", action="store_true")
+    parser.add_argument("--only", choices=CASES, help="run this model alone")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of each Gemma measurement (medians)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     args = parser.parse_args()
+    run_case = {"llama-1b": not args.skip_1b, "llama-8b": not args.skip_8b, "gemma3-270m": not args.skip_gemma}
+    if args.only:
+        run_case = {case: case == args.only for case in CASES}
     if args.dir.exists():
         shutil.rmtree(args.dir)
     args.dir.mkdir(parents=True)
+    llama = run_case["llama-1b"] or run_case["llama-8b"]
     print(f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB "
-          f"memory; prompt of {args.length} tokens; float32 reference and candidate", flush=True)
+          f"memory; {f'prompt of {args.length or 128} tokens; ' if llama else ''}float32 reference and candidate",
+          flush=True)
     try:
-        if not args.skip_1b:
-            fits(args.dir, args.length)
-        if not args.skip_8b:
-            big(args.dir, args.length, args.layers)
+        if run_case["llama-1b"]:
+            fits(args.dir, args.length or 128)
+        if run_case["llama-8b"]:
+            big(args.dir, args.length or 128, args.layers)
+        if run_case["gemma3-270m"]:
+            gemma(args.dir, args.length or 528, args.rounds)
     finally:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)

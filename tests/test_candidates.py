@@ -31,10 +31,12 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_check_imports_no_candidate_module():
-    imported = set().union(*(_imports(f) for f in (ROOT / "parity" / "checker").glob("*.py")))
     kinds = {f"..candidates.{k}" for k in candidates.KINDS} | {"..dumps", "..onnx_export", "..gguf_export"}
-    assert not imported & kinds, imported & kinds
-    assert "..candidates" in imported  # the protocol, and only it
+    for file in (ROOT / "parity" / "checker").glob("*.py"):
+        # a golden's activations are stored in the engine-dump format: recording one writes it
+        allowed = {"..dumps"} if file.name == "record.py" else set()
+        assert not (_imports(file) & kinds) - allowed, (file.name, _imports(file) & kinds)
+    assert "..candidates" in set().union(*(_imports(f) for f in (ROOT / "parity" / "checker").glob("*.py")))
 
 
 def test_every_kind_module_states_the_protocol():

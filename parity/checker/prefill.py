@@ -2,9 +2,12 @@
 
 The reference runs in a background thread (parity.models.Stream) and hands each point over; the candidate runs
 in this thread and each of its points is judged and dropped at once, so memory holds about one layer of
-activations beyond the models. Held whole, the reference runs first when its points fit beside the models (side
-by side, the two would share the same cores, each op already spread over all of them) and is dropped after the
-last prompt before the candidate loads; streamed, or with too many points to hold, the two run in step.
+activations beyond the models. Held whole, the reference runs first (side by side, the two would share the same
+cores, each op already spread over all of them): each of its points is written to an unnamed temporary file as
+it comes (Spill), the model is dropped after the last prompt before the candidate loads, and each point is read
+back when the candidate reaches it, the logits a block of positions at a time (parity.compare.OnDisk), so that
+the check holds one model at a time and never both sides' logits whole beside it. Streamed, or with more points
+than the temporary files' disk can take, the two run in step.
 
 ``--isolate`` feeds each candidate layer the reference's input to it (a slice of ``--layers`` its first layer):
 the error a layer adds, apart from the error it inherits.
@@ -12,6 +15,10 @@ the error a layer adds, apart from the error it inherits.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,8 +26,8 @@ import torch
 
 from .. import names
 from ..checkpoint import Checkpoint
-from ..compare import logit_metrics
-from ..models import Models, Stream, free_memory, layer_inputs
+from ..compare import CHUNK_BYTES, OnDisk, logit_metrics
+from ..models import Models, Stream, layer_inputs
 from ..report import PointResult
 from .judge import Judge
 from .noise import NoNoise, Recorded, Twin
@@ -41,13 +48,99 @@ class Prompt:
         return [p for p in self.results if p.compared and not p.passed]
 
 
-def points_fit(plan: Plan, ids: torch.Tensor, points: set[str], device: str) -> bool:
+def points_fit(plan: Plan, ids: torch.Tensor, points: set[str]) -> bool:
     """Whether the reference's float32 points (the logits [positions, vocabulary] included) take under a tenth of
-    the memory free where it runs."""
+    the free space where temporary files go (they wait there for the candidate, not in memory)."""
     vocab, hidden = next(t.shape for t in plan.checkpoint.resolved.tensors if t.neutral == ("embed.tokens.weight",))
     nbytes = ids.numel() * 4 * sum(vocab if p == "logits" else hidden for p in points)
-    free = free_memory(device)
-    return free is None or nbytes < 0.1 * free
+    return nbytes < 0.1 * shutil.disk_usage(tempfile.gettempdir()).free
+
+
+class Spill:
+    """A reference's points, run ahead of the candidate, in an unnamed temporary file (gone when closed, or when
+    the process ends): ``get`` and ``stop`` as a Stream's. A point is written as it comes and read back when
+    asked for: whole when it is a layer's input (``whole``: a layer may be fed it) or at most CHUNK_BYTES, else
+    as an OnDisk tensor, which the metrics read a block at a time, cut where the tensor itself would be. A point
+    put ``later`` (the logits, the run's last) is written by a thread of its own while the caller goes on:
+    ``written`` waits for it, and lets go of its tensor; ``get`` of it does too."""
+
+    WRITE = 64 * 2**20  # bytes moved to the CPU and written at a time (a point on a GPU is not copied whole)
+
+    def __init__(self, whole: set[str]):
+        self.whole = whole
+        self.file = tempfile.TemporaryFile(prefix="parity-points-")
+        self.fd = self.file.fileno()
+        self.held: dict[str, OnDisk] = {}
+        self.end = 0
+        self.writing: tuple[str, threading.Thread] | None = None
+        self.error: BaseException | None = None
+
+    def put(self, name: str, t: torch.Tensor, later: bool = False) -> None:
+        self.written()  # one write at a time
+        t = t.detach()
+        at = self.end
+        self.end += t.numel() * t.element_size()
+        self.held[name] = OnDisk(self.fd, at, t.shape, t.dtype, t.device)
+        if not later:
+            self._write(t, at)
+            return
+        # the thread holds the file too: one that outlives a check stopped without waiting writes to it still
+        thread = threading.Thread(target=self._write_later, args=(self.file, t, at), daemon=True)
+        self.writing = (name, thread)
+        thread.start()
+
+    def _write(self, t: torch.Tensor, at: int) -> None:
+        flat = t.reshape(-1)  # a view of a contiguous point
+        step = max(1, self.WRITE // t.element_size())
+        for a in range(0, flat.numel(), step):
+            piece = flat[a:a + step].to("cpu").contiguous()
+            view, done = memoryview(piece.view(torch.uint8).numpy()), 0
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:done + (1 << 30)], at + done)
+            at += done
+
+    def _write_later(self, file, t: torch.Tensor, at: int) -> None:
+        try:
+            self._write(t, at)
+        except BaseException as exc:  # noqa: BLE001 - raised by written()
+            self.error = exc
+
+    def written(self) -> None:
+        """Until the point put ``later`` is on disk, raising what stopped its write."""
+        if self.writing is not None:
+            self.writing[1].join()
+            self.writing = None
+        if self.error is not None:
+            raise self.error
+
+    def get(self, name: str) -> torch.Tensor | OnDisk | None:
+        if self.writing is not None and self.writing[0] == name:
+            self.written()
+        held = self.held.pop(name, None)
+        if held is None or (name not in self.whole and held.numel() * held.element_size() > CHUNK_BYTES):
+            return held
+        return held.load()
+
+    def stop(self, wait: bool = True) -> None:
+        """Close the file (once a write in progress is done; ``wait=False`` leaves that write to close it)."""
+        self.held.clear()
+        if self.writing is not None:
+            if not wait:
+                return
+            self.writing[1].join()
+        self.file.close()
+
+
+def _held(t: torch.Tensor | OnDisk) -> torch.Tensor | OnDisk:
+    """A point kept for a diagnosis, on the CPU: the tensor itself where it is there and the whole of its memory
+    (a copy would hold it twice; no side writes into a point it has emitted), else a copy of it alone. One on disk
+    stays there until the prompt ends (PromptCheck._settle)."""
+    if isinstance(t, OnDisk):
+        return t
+    t = t.detach()
+    if t.device.type == "cpu" and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.to("cpu", copy=True)
 
 
 class PromptCheck:
@@ -70,6 +163,7 @@ class PromptCheck:
         # each side emits only what is compared (and what feeds a layer): nothing else is held
         self.needed = set(self.wanted) | {p for p, i in self.input_of.items() if i in self.feeding}
         self.last = span.stop - 1 if span.stop < n_layers else None  # the models stop after the slice
+        self.head_input = f"layers.{n_layers - 1}.out"
         self.judge = Judge(plan.tolerances)
         self.out = Prompt(kept={"ids": ids})
         self.reference_out: dict[int, torch.Tensor] = {}   # the reference's layer outputs a fed layer takes
@@ -109,6 +203,8 @@ class PromptCheck:
         layer_done = self._progress("candidate")
         if layer_done is not None and self.input_of.get(name, 0) > 0:  # layers.{i}.out: layer i is done
             layer_done(self.input_of[name] - 1)
+        if name == self.head_input and isinstance(self.reference, Spill):
+            self.reference.written()  # the reference's logits are on disk before the candidate's are computed
         if name not in self.needed:
             return
         ref = self.reference.get(name)
@@ -137,29 +233,58 @@ class PromptCheck:
         first_failure = not result.passed and len(self.out.failing) == 1
         kept = self.out.kept
         if name in ("logits", "final_norm") or first_failure:
-            kept.setdefault("candidate", {})[name] = got.detach().to("cpu", copy=True)
-            kept.setdefault("reference", {})[name] = ref.detach().to("cpu", copy=True)
+            kept.setdefault("candidate", {})[name] = _held(got)
+            kept.setdefault("reference", {})[name] = _held(ref)
         if first_failure and names.layer_of(name) in self.layer_input:
-            kept["layer_input"] = self.layer_input[names.layer_of(name)].detach().to("cpu", copy=True)
+            kept["layer_input"] = _held(self.layer_input[names.layer_of(name)])
+
+    def _settle(self) -> None:
+        """At the prompt's end: what the diagnosis keeps is read back from disk if the prompt failed (its file is
+        closed next), and let go of if it passed (only a failing prompt is diagnosed)."""
+        kept = self.out.kept
+        if not self.out.failing:
+            self.out.kept = {"ids": kept["ids"]}
+            return
+        for side in ("candidate", "reference"):
+            for name, t in kept.get(side, {}).items():
+                if isinstance(t, OnDisk):
+                    kept[side][name] = t.to("cpu").load()
+
+    def _run_ahead(self, stream: Stream) -> Spill:
+        """The reference's run to its end, each point written to disk as it comes: asked for in forward order,
+        none waits in memory (one that comes out of order waits in the stream until asked for)."""
+        spill = Spill(whole=set(self.input_of))
+        try:
+            for name in sorted(self.needed, key=names.point_order):
+                t = stream.get(name)
+                if t is not None:  # the logits are written while the candidate runs its layers
+                    spill.put(name, t, later=name == "logits")
+                del t
+            stream.wait()
+        except BaseException:
+            spill.stop()
+            raise
+        return spill
 
     def __call__(self, done_with_reference: bool) -> Prompt:
         """``done_with_reference``: no later prompt runs the reference, so a whole one is dropped once it has
         run (the candidate loads into its memory)."""
         plan, models = self.plan, self.models
         self.wanted_set = set(self.wanted)
-        ahead = not models.stream and not plan.reference.stored and points_fit(plan, self.ids, self.needed,
-                                                                                models.device["reference"])
+        ahead = not models.stream and not plan.reference.stored and points_fit(plan, self.ids, self.needed)
         self.say("loading the reference")
         self.reference = Stream(plan.reference.run(models, self.k, self.ids, self.needed,
                                                    on_layer=self._progress("reference"), last=self.last),
-                                plan.reference.kind, bound=0 if ahead else 4)
+                                plan.reference.kind)
         self.noise = NoNoise()
         try:
-            self.noise = self._noise()
-            if ahead:
-                self.reference.wait()
+            if ahead:  # its points to disk, the model dropped: then the noise's and the candidate's models load
+                self.reference = self._run_ahead(self.reference)
                 if done_with_reference:
                     models.release("reference")
+                if not plan.kind.isolates:  # a candidate not run layer by layer holds its logits before it emits
+                    self.reference.written()
+            self.noise = self._noise()
             self.say(f"running the candidate ({plan.kind.name})")
             plan.candidate.run(models, self.k, self.ids, feed=self.feed if self.feeding else None)(self.on_point)
         except BaseException:  # an error, Ctrl-C: the reference's threads are told to end, and not waited for
@@ -167,6 +292,7 @@ class PromptCheck:
             self.reference.stop(wait=False)
             raise
         self.noise.close()
+        self._settle()
         self.reference.stop()
         produced = {p.name for p in self.out.results}
         self.out.results += [self.judge.missing(name) for name in self.wanted if name not in produced]

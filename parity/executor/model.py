@@ -42,6 +42,8 @@ class NeutralModel:
         self.device = torch.device(device)
         # tensors stored in float32 in a lower-precision model (a float32 router) stay float32
         self.kept = {k for k, info in manifest["tensors"].items() if info["dtype"] != manifest["dtype"]}
+        # the layers whose keys and values a later layer reuses (Gemma 4): only theirs are kept past their layer
+        self.kv_sources = {layer["attention"].get("kv_shared_from") for layer in manifest["layers"]} - {None}
         self.source = None if isinstance(tensors, dict) else tensors
         resident = tensors if self.source is None else self.source.resident()
         self.w = {k: self._cast(k, v) for k, v in resident.items()}
@@ -162,7 +164,8 @@ class NeutralModel:
                 k = rope_fn.apply(k, *cos_sin, att["rope"])
         if cache is not None and att["kv_shared_from"] is None:  # the cached keys, then this call's: [B, K, T, Dh]
             k, v = cache.extend(i, k, v, att["sliding_window"])
-        shared[i] = (k, v)  # later layers may reuse this layer's keys and values
+        if i in self.kv_sources:
+            shared[i] = (k, v)  # a later layer reuses this layer's keys and values
 
         t = k.shape[2]
         k = k.repeat_interleave(h // kvh, dim=1)                                     # GQA: [B, H, T, Dh]
