@@ -2,22 +2,8 @@
 
 The graph is fed whatever inputs it declares (``input_ids``, ``attention_mask`` = ones,
 ``position_ids`` = arange, ``token_type_ids`` = zeros, ``cache_position``, and empty past key/values
-for graphs exported with a cache). Capture points come from, in this order of precedence:
-
-1. ``--map POINT=VALUE``: any value of the graph, named explicitly;
-2. values named exactly as the point (the debug outputs of ``parity convert --to onnx``);
-3. the final output (``logits``, or the last hidden state of a model without an LM head);
-4. the module path that the adapter's capture map gives for the point: exporters keep module paths
-   in node names (``/model/layers.0/mlp/Add``) or metadata (torch.onnx's ``name_scopes``); the
-   point is the value leaving that module (or entering it) with the model's hidden width;
-5. structure: the k-th norm op of hidden width (fused LayerNormalization / RMSNormalization /
-   SimplifiedLayerNormalization / Skip*LayerNormalization, or a decomposed RMSNorm or LayerNorm) is
-   the k-th norm the family has, so its output is that norm's point (``attn_in`` after ``attn_norm``)
-   and its input the residual stream (``layers.{i-1}.out`` before ``layers.{i}.attn_norm``); the
-   residual adds around them give what each sublayer adds (``attn_out``, ``mlp_out``) and the stream.
-
-A module path is used only where exactly one value of the right width crosses the module's boundary:
-where two do (onnxruntime-genai fuses each residual add into the next norm), structure decides.
+for graphs exported with a cache). Which graph values are capture points is parity.onnx_graph's to find (its
+docstring gives the order of precedence: --map, names, the final output, module paths, structure).
 
 Matched values are added to the graph's outputs; each is checked at run time to be [batch, sequence,
 width] before it is compared. The report lists every point with the value it was read from and how
