@@ -164,6 +164,7 @@ class PromptCheck:
         self.needed = set(self.wanted) | {p for p, i in self.input_of.items() if i in self.feeding}
         self.last = span.stop - 1 if span.stop < n_layers else None  # the models stop after the slice
         self.head_input = f"layers.{n_layers - 1}.out"
+        self.wanted_set = set(self.wanted)
         self.judge = Judge(plan.tolerances)
         self.out = Prompt(kept={"ids": ids})
         self.reference_out: dict[int, torch.Tensor] = {}   # the reference's layer outputs a fed layer takes
@@ -270,7 +271,6 @@ class PromptCheck:
         """``done_with_reference``: no later prompt runs the reference, so a whole one is dropped once it has
         run (the candidate loads into its memory)."""
         plan, models = self.plan, self.models
-        self.wanted_set = set(self.wanted)
         ahead = not models.stream and not plan.reference.stored and points_fit(plan, self.ids, self.needed)
         self.say("loading the reference")
         self.reference = Stream(plan.reference.run(models, self.k, self.ids, self.needed,

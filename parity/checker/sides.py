@@ -55,9 +55,6 @@ class TransformersSide:
             raise ParityError(f"--reference {self.path}: no weights; give a Hugging Face checkpoint directory")
         refuse_mismatched(self.checkpoint, "--reference")
 
-    def calibrated_for(self, dtype: str, isolated: bool = False) -> bool:
-        return False  # a live reference measures its noise with a twin
-
     def run(self, models: Models, k: int, ids: torch.Tensor, points: set[str] | None = None, feed=None,
             on_layer: Callable[[int], None] | None = None, last: int | None = None) -> Callable[[Emit], None]:
         return hf_runner(models, self.checkpoint, torch.float32, ids, feed, points=points, on_layer=on_layer,
@@ -132,8 +129,6 @@ def open_reference(path: Path, adapter_dirs=()):
 class CandidateSide:
     """A candidate of any kind in parity.candidates, run through its kind's protocol at ``dtype``, read with the
     reference's checkpoint ``ckpt`` (its capture points and shapes)."""
-
-    stored = False
 
     def __init__(self, kind: Kind, path: Path, options: Options, dtype: torch.dtype, ckpt: Checkpoint):
         self.kind, self.path, self.options, self.dtype, self.checkpoint = kind, Path(path), options, dtype, ckpt
