@@ -385,7 +385,7 @@ def logit_metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict | No
         "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
         "top1_agreement": agree.double().mean().item(),
         "top5_overlap": (overlap.double() / k).mean().item(),
-        "max_logit_diff": torch.stack(list(worst.values())).max().item(),
+        "max_logit_diff": max(0.0, torch.stack(list(worst.values())).max().item()),  # -0.0 when equal
         "positions": positions,
         # what a final-output-only gate would have said: np.allclose(atol=1e-5), and the next token
         "allclose_1e-5": close[0],
