@@ -170,8 +170,13 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
                    "step by step (parity check --decode N).")
 @click.option("--inject", metavar="BUG", default=None,
               help="onnx, gguf: write a deliberately broken export with a catalogued porting mistake (see `parity bugs`).")
-@click.option("--gguf-type", type=click.Choice(["F32", "F16", "Q8_0"]), default="F32", show_default=True,
-              help="gguf: how matrices are stored (norms and other vectors stay F32).")
+@click.option("--gguf-type", type=click.Choice(["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M",
+                                               "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K"]),
+              default="F32", show_default=True,
+              help="gguf: how matrices are stored (norms and other vectors stay F32). F32, F16, Q8_0 are written "
+                   "by gguf-py; the others by llama.cpp's own quantizer (llama-cpp-python: pip install "
+                   "'parity[llama]'), with its per-tensor mix and its fallbacks for rows that do not fit the "
+                   "type's block (256 columns for the K-quants); the types each tensor got are printed.")
 @click.option("--force", is_flag=True, help="Replace the output if it exists.")
 @adapters_option
 def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, kv_cache, inject, gguf_type, force,
@@ -200,11 +205,11 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
         from .gguf_export import export as to_gguf
 
         if dtype or rope_style or debug_outputs or opset is not None or kv_cache:
-            raise ParityError("--to gguf takes --gguf-type (F32, F16, Q8_0) and --inject; the q/k layout is the one "
+            raise ParityError("--to gguf takes --gguf-type and --inject; the q/k layout is the one "
                               "llama.cpp's architecture expects")
         done = to_gguf(model_dir, out, qtype=gguf_type, force=force, adapter_dirs=adapter_dirs, inject=inject)
         click.echo(f"wrote {out}: llama.cpp architecture {done['arch']}, {len(done['tensors'])} tensors, "
-                   f"{done['type']}, {done['family']}")
+                   f"{done['family']}; {done['summary']}")
         return
     if target == "onnx":
         from .onnx_export import export

@@ -57,12 +57,12 @@ def crossings(ckpt: Checkpoint, s: int, n: int) -> list[dict]:
 
 
 def uncached_steps(models: Models, ckpt: Checkpoint, ids: torch.Tensor, tokens: list[int],
-                   points: set[str]) -> dict[str, torch.Tensor]:
+                   points: set[str], arithmetic=None) -> dict[str, torch.Tensor]:
     """The reference's truth for each decode step: one forward over the prompt and the tokens, without a cache;
-    point -> [1, N, width], step k at index k - 1 (position S + k - 1)."""
+    point -> [1, N, width], step k at index k - 1 (position S + k - 1). ``arithmetic``: as for hf_runner."""
     full = torch.cat([ids, torch.tensor([tokens])], dim=1)
     captured: dict[str, torch.Tensor] = {}
-    hf_runner(models, ckpt, torch.float32, full, points=points)(lambda name, t: captured.setdefault(name, t))
+    hf_runner(models, ckpt, torch.float32, full, points=points, arithmetic=arithmetic)(lambda name, t: captured.setdefault(name, t))
     missing = sorted(points - set(captured))
     if missing:
         raise ParityError(f"{ckpt.path}: the reference never produced {', '.join(missing)}; fix the adapter's "

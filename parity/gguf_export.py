@@ -4,7 +4,9 @@ The tensors are the neutral layout's (``1 + w`` norms folded, q/k rows laid out 
 llama.cpp's architecture: the adapter's ``[gguf]`` section), renamed to llama.cpp's names
 (``blk.{i}.attn_q.weight``, ...), as ``convert_hf_to_gguf.py`` writes them. Static RoPE scaling (llama3) is
 written as llama.cpp reads it: per-pair frequency divisors in ``rope_freqs.weight``. Matrices are stored as
-F32, F16 or Q8_0; norms and other vectors stay F32, as llama.cpp requires.
+F32, F16 or Q8_0 (gguf-py), or in a type llama.cpp's own quantizer makes (Q4_0 ... Q6_K, the K-quant mixes:
+parity/gguf_quantize.py); norms and other vectors stay F32, as llama.cpp requires. The result states the type
+each tensor got, read back from the written file's header.
 
 The checkpoint's byte-level BPE vocabulary is written as llama.cpp's "gpt2" tokenizer with its default
 pre-tokenizer (``tokenizer.ggml.model = "none"`` without one): parity feeds the reference's token ids either way,
@@ -21,6 +23,7 @@ import torch
 from . import atomic
 from .checkpoint import open_checkpoint
 from .errors import ParityError
+from .gguf_quantize import LLAMA_TYPES, ftype, header_types, quantize, summary
 from .jsonfile import read_json
 
 # neutral name -> llama.cpp's (gguf-py's MODEL_TENSOR names), {i} the layer
@@ -46,7 +49,7 @@ NAMES = {
     "layers.{i}.mlp.up.weight": "blk.{i}.ffn_up.weight",
     "layers.{i}.mlp.down.weight": "blk.{i}.ffn_down.weight",
 }
-TYPES = ("F32", "F16", "Q8_0")
+TYPES = ("F32", "F16", "Q8_0")  # written by gguf-py; LLAMA_TYPES by llama.cpp from an F32 (or F16) file
 QUANTIZE_ROWS = 1024  # rows quantized to Q8_0 at a time, from float32
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 
@@ -229,7 +232,10 @@ def _add_vocabulary(writer, vocab: tuple[list, list] | None) -> None:
 
 def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, adapter_dirs=(),
            inject: str | None = None) -> dict:
-    """Write checkpoint ``path`` as the GGUF file ``out`` (with a catalogued mistake: ``inject``)."""
+    """Write checkpoint ``path`` as the GGUF file ``out`` (with a catalogued mistake: ``inject``), its matrices
+    in ``qtype`` (one of TYPES, or LLAMA_TYPES: quantized by llama.cpp from the file written at F32, or F16 for a
+    float16 checkpoint, beside ``out``). Returns the architecture, the family, ``tensors`` {name: GGML type}
+    and ``summary`` (the types counted), as the written file's header states them."""
     try:
         import gguf
     except ImportError:
@@ -238,8 +244,10 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
 
     from .neutral import build_manifest, neutral_tensors, source_dtype
 
-    if qtype not in TYPES:
-        raise ParityError(f"--gguf-type {qtype!r} is not one of {', '.join(TYPES)}")
+    if qtype not in TYPES and qtype not in LLAMA_TYPES:
+        raise ParityError(f"--gguf-type {qtype!r} is not one the exporter makes: {', '.join((*TYPES, *LLAMA_TYPES))}")
+    if qtype in LLAMA_TYPES:
+        ftype(qtype)  # llama-cpp-python and the type are there, before anything is written
     ckpt = open_checkpoint(Path(path), adapter_dirs)
     spec = ckpt.adapter.spec.gguf
     if spec is None:
@@ -252,9 +260,13 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
 
     check_convertible(ckpt)
     check = ckpt.check()
+    # llama.cpp quantizes from a file written first: F16 where that is the checkpoint's own type, else F32
+    plain = qtype
+    if qtype in LLAMA_TYPES:
+        plain = "F16" if source_dtype(ckpt, check) == torch.float16 else "F32"
     # tensors come out of the checkpoint at the type they are written in (F16), or at their own (quantized from
     # float32 a block of rows at a time): a float32 copy of a bf16 model's embedding would double the peak
-    work = {"F32": torch.float32, "F16": torch.float16}.get(qtype) or source_dtype(ckpt, check)
+    work = {"F32": torch.float32, "F16": torch.float16}.get(plain) or source_dtype(ckpt, check)
     manifest = build_manifest(ckpt, work, spec.rope_style, check.prefix, hashes=False)
     for info in manifest["tensors"].values():  # vectors (norms with 1 + w folded, biases) are written F32, unrounded
         if len(info["shape"]) == 1:
@@ -262,16 +274,17 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
     if manifest["head"] is None:
         raise ParityError(f"{path}: a model without an LM head cannot run in llama.cpp")
     matrix = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
-              "Q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
+              "Q8_0": gguf.GGMLQuantizationType.Q8_0}[plain]
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[plain]
     tensors = neutral_tensors(ckpt, manifest)
     if inject is not None:  # a broken twin, for tests and selftests: small models, held whole
         manifest, held = _injected(inject, manifest, dict(tensors), ckpt.resolved["positions.rope_style"])
         tensors = iter(held.items())
-    written: dict[str, str] = {}
     with atomic.output_file(Path(out), force=force, companions=()) as tmp:
-        writer = gguf.GGUFWriter(tmp / Path(out).name, spec.arch, use_temp_file=True)
+        # the file llama.cpp quantizes is a temporary too, in the same directory: removed with it on any error
+        first = tmp / (Path(out).name if plain == qtype else f"unquantized-{plain}.gguf")
+        writer = gguf.GGUFWriter(first, spec.arch, use_temp_file=True)
         # tensor data goes to a file on disk as each tensor is added (gguf-py's own spooled temp file keeps the
         # first 256 MB in memory and copies it when it rolls over: twice the largest tensor, or more)
         writer.temp_file = spill = open(tmp / "tensors.spill", "w+b")
@@ -282,7 +295,6 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
         factors = _rope_freqs(rope or {})
         if factors is not None:
             writer.add_tensor("rope_freqs.weight", factors.numpy())
-            written["rope_freqs.weight"] = "F32"
         for name, x in tensors:
             target = gguf_name(name)
             if target is None:
@@ -296,10 +308,14 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
             else:
                 data = x.to(torch.float16 if kind == gguf.GGMLQuantizationType.F16 else torch.float32).numpy()
             writer.add_tensor(target, data, raw_dtype=kind if kind == gguf.GGMLQuantizationType.Q8_0 else None)
-            written[target] = kind.name
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()  # copies the spill file into place, and closes it
         writer.close()
         Path(spill.name).unlink()
-    return {"arch": spec.arch, "type": qtype, "tensors": written, "family": ckpt.resolved.family}
+        if plain != qtype:
+            quantize(first, tmp / Path(out).name, qtype)
+            first.unlink()
+        header = header_types(tmp / Path(out).name)  # what each tensor got: llama.cpp's mix and fallbacks
+    return {"arch": spec.arch, "type": qtype, "tensors": {name: h[0] for name, h in header.items()},
+            "summary": summary(qtype, header), "family": ckpt.resolved.family}

@@ -276,10 +276,11 @@ def trim_heap() -> None:
 
 def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
               role: str = "reference", points: set[str] | None = None, on_layer: Callable[[int], None] | None = None,
-              last: int | None = None):
+              last: int | None = None, arithmetic=None):
     """A function that runs a transformers checkpoint and emits its capture points (only ``points``, when
     given: nothing else is hooked, so nothing else is held). ``on_layer(i)`` is told when layer i is done;
-    with ``last``, the forward stops after that layer (a slice of a check needs nothing beyond it)."""
+    with ``last``, the forward stops after that layer (a slice of a check needs nothing beyond it);
+    ``arithmetic`` (parity.ggml.Arithmetic): computed as that engine computes."""
     model = models.hf(ckpt, dtype, role)
     capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
     layer_paths = {c.name: c.module for c in ckpt.resolved.capture}
@@ -287,9 +288,10 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
 
     def run(emit: Emit) -> None:
         from .capture import hooks
+        from .ggml import emulate
 
         # capture hooks first: a layer's input is reported as computed, then replaced when isolating
-        with hooks(model, capture, emit), torch.no_grad():
+        with hooks(model, capture, emit), emulate(model, arithmetic), torch.no_grad():
             handles = _isolation_hooks(model, ckpt, feed) if feed is not None else []
             if on_layer is not None:
                 for i in range(ckpt.resolved.num_layers):

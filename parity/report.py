@@ -34,6 +34,7 @@ class PointResult:
     reference_norm: float = 0.0
     run: int = 0                         # which input (--inputs) this result comes from: each point keeps its worst
     step: int | None = None              # --decode: the decode step (1..N) this result is for; None: the prefill
+    plain_rel_l2: float | None = None    # against the plain reference, where the reference emulates the engine
 
     @property
     def needed(self) -> dict:
@@ -51,6 +52,8 @@ class PointResult:
             "noise": self.noise, "noise_ratio": self.noise_ratio, "nonfinite": self.nonfinite,
             "compared": self.compared, "needed": self.needed, "run": self.run, "step": self.step,
         }
+        if self.plain_rel_l2 is not None:
+            out["rel_l2_plain"] = self.plain_rel_l2
         return out
 
 
@@ -194,7 +197,8 @@ def _point(p: dict) -> PointResult:
                        nonfinite=_typed(p.get("nonfinite"), (str, type(None)), "nonfinite"),
                        compared=_typed(p.get("compared", True), bool, "compared"),
                        run=_typed(p.get("run", 0), int, "run"),
-                       step=_typed(p.get("step"), (int, type(None)), "step"))
+                       step=_typed(p.get("step"), (int, type(None)), "step"),
+                       plain_rel_l2=None if p.get("rel_l2_plain") is None else _float(p["rel_l2_plain"]))
 
 
 def merge_slices(reports: list[tuple[str, Report]]) -> Report:

@@ -220,6 +220,37 @@ def write(path: Path, content: bytes) -> Path:
     return path
 
 
+def tiny_gguf(b: Built) -> Path:
+    """The tiny llama as a GGUF file (`parity convert --to gguf`), written once beside the built inputs."""
+    path = b.checkpoint.parent / "llama.gguf"
+    if not path.exists():
+        from parity.gguf_export import export
+
+        export(b.checkpoint, path)
+    return path
+
+
+def gguf_with(tmp: Path, b: Built, change: Callable) -> list[str]:
+    """`parity check` of the tiny GGUF file with its bytes changed: ``change(raw, reader)`` edits the bytearray in
+    place or returns the bytes to write; gguf-py's reader of the valid file says where each field lies."""
+    import gguf
+
+    src = tiny_gguf(b)
+    raw = bytearray(src.read_bytes())
+    raw = change(raw, gguf.GGUFReader(str(src))) or raw
+    return check(tmp, b.golden, write(tmp / "model.gguf", bytes(raw)))
+
+
+def gguf_at(field, part: int) -> int:
+    """The byte offset of part ``part`` of a gguf-py ReaderField (its parts lie back to back from its offset)."""
+    return field.offset + sum(int(p.nbytes) for p in field.parts[:part])
+
+
+def gguf_put(fmt: str, at: Callable, value) -> Callable:
+    """A GGUF change: pack ``value`` (little-endian ``fmt``) at the offset ``at(reader)``."""
+    return lambda raw, r: struct.pack_into("<" + fmt, raw, at(r), value)
+
+
 def _set(path: str, value):
     """A manifest change: set the value at a dotted path (list indices as numbers)."""
     def change(m: dict) -> None:
@@ -235,6 +266,13 @@ def _set(path: str, value):
 
 
 _DELETE = object()
+
+
+def _arch_mamba(raw: bytearray, r) -> None:
+    """general.architecture "llama" rewritten in place as "mamba" (the same length: nothing else moves)."""
+    at = gguf_at(r.fields["general.architecture"], 4)
+    assert raw[at:at + 5] == b"llama"
+    raw[at:at + 5] = b"mamba"
 
 
 def _nan(tensors: dict) -> None:
@@ -423,6 +461,34 @@ BAD_INPUTS: list[Case] = [
     Case("ONNX external data file shorter than its tensors",
          lambda t, b: check(t, b.golden, onnx_model(t, data=b"\0" * 8)),
          "holds 8 bytes, but tensor 'w' needs bytes up to 16 (truncated)"),
+    # a GGUF candidate: its header, checked before gguf-py or llama.cpp reads it
+    Case("GGUF file cut inside its tensor data",
+         lambda t, b: gguf_with(t, b, lambda raw, r: raw[:(r.data_offset + len(raw)) // 2]),
+         "truncated: tensor 'output.weight' ends at byte"),
+    Case("GGUF file cut inside its header",
+         lambda t, b: gguf_with(t, b, lambda raw, r: raw[:r.fields["tokenizer.ggml.tokens"].offset + 3]),
+         "truncated inside its header: the file ends at byte"),
+    Case("GGUF file of its magic alone", lambda t, b: check(t, b.golden, write(t / "model.gguf", b"GGUF")),
+         "truncated: 4 bytes, shorter than the 24-byte GGUF header"),
+    Case("GGUF magic with an unknown version",
+         lambda t, b: gguf_with(t, b, gguf_put("I", lambda r: 4, 7)), "GGUF version 7; parity reads versions 2 and 3"),
+    Case("GGUF header claiming 2^40 tensors",
+         lambda t, b: gguf_with(t, b, gguf_put("Q", lambda r: 8, 2**40)),
+         "claims 1,099,511,627,776 tensors, which cannot fit"),
+    Case("GGUF header claiming 2^40 metadata keys",
+         lambda t, b: gguf_with(t, b, gguf_put("Q", lambda r: 16, 2**40)),
+         "claims 1,099,511,627,776 metadata keys, which cannot fit"),
+    Case("GGUF metadata value of a garbled type",
+         lambda t, b: gguf_with(t, b, gguf_put("I", lambda r: gguf_at(r.fields["general.name"], 2), 2**32 - 1)),
+         "metadata key 'general.name' has value type 4294967295"),
+    Case("GGUF tensor of an unknown GGML type",
+         lambda t, b: gguf_with(t, b, gguf_put("I", lambda r: gguf_at(r.tensors[0].field, 4), 99)),
+         "has GGML type 99, which this gguf-py does not know"),
+    Case("GGUF tensor with 9 dimensions",
+         lambda t, b: gguf_with(t, b, gguf_put("I", lambda r: gguf_at(r.tensors[0].field, 2), 9)),
+         "has 9 dimensions; GGML tensors have at most 4"),
+    Case("GGUF file of an architecture no adapter covers (mamba)",
+         lambda t, b: gguf_with(t, b, _arch_mamba), "a llama.cpp 'mamba' model, an architecture no adapter covers"),
     # command-line values
     Case("--ids 1,x", lambda t, b: inputs(b, t, "--ids", "1,x"), "expected comma-separated integers"),
     Case("--ids outside the vocabulary", lambda t, b: inputs(b, t, "--ids", "1,256"),

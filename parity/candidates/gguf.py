@@ -181,79 +181,11 @@ class GGUFRun:
         self.llama_cpp.llama_model_free(self.model)
 
 
-# rel_l2 between a tensor read back from the file and the checkpoint's beyond which it is not a quantization of it:
-# F16 rounds by ~3e-4, Q8_0 by ~1e-2, Q4_K by ~0.1 and Q2_K by ~0.3 on Gaussian weights; q/k rows permuted the other
-# way differ by ~1.4, a norm weight w read as 1 + w by 1 / |w|
-NOT_A_QUANTIZATION = 0.5
-
-
 def same_weights(ckpt, path: Path, out: Path) -> dict:
-    """Write into ``out`` the reference checkpoint that holds the GGUF file's own weights: dequantized to float32,
-    renamed and laid out back as the checkpoint stores them (q/k rows in its RoPE style, `1 + w` norms unshifted),
-    beside the reference's config, so that transformers runs what llama.cpp runs and only compute and conventions
-    are compared. A tensor that is not a quantization of the checkpoint's (rel_l2 over NOT_A_QUANTIZATION: q/k rows
-    permuted the wrong way, a norm shifted or not, another tensor) is a porting mistake in the file, not a rounding:
-    the reference keeps the checkpoint's own there, so that the check still judges it. Returns what the file held:
-    {"types": {GGML type: count}, "tensors": n, "not_a_quantization": {checkpoint tensor: rel_l2}}."""
-    import json
+    """--same-weights: the file's own weights, and llama.cpp's arithmetic, as a reference (parity.gguf_weights)."""
+    from ..gguf_weights import read_back
 
-    import gguf
-    from safetensors.torch import save_file
-
-    from ..checkpoint import stored_tensor_map
-    from ..compare import metrics
-    from ..gguf_export import neutral_name
-    from ..lazy import Dequantizer
-    from ..neutral import build_manifest, restyle_rope
-
-    spec = ckpt.adapter.spec.gguf
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
-    if spec is None or arch != spec.arch:
-        raise ParityError(f"--same-weights: {path} is a llama.cpp {arch!r} model; parity reads back only the "
-                          f"architecture of the reference's family ({ckpt.resolved.family}: "
-                          f"{spec.arch if spec else 'none'})")
-    r = ckpt.resolved
-    check = ckpt.check()
-    manifest = build_manifest(ckpt, torch.float32, spec.rope_style, check.prefix, hashes=False)
-    by_neutral = {}
-    for hf_name, t in stored_tensor_map(r, check).items():
-        if len(t.neutral) != 1 or t.transpose or t.unstack or t.split is not None:
-            raise ParityError(f"--same-weights: {hf_name} is split, fused or transposed on its way to the neutral "
-                              f"layout; reading it back from GGUF is not supported")
-        by_neutral[t.neutral[0]] = (hf_name, t)
-    source_style = r["positions.rope_style"]
-    out_tensors, types, wrong = {}, {}, {}
-    originals = Dequantizer.of(ckpt)
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            continue
-        name = neutral_name(tensor.name)
-        if name is None or name not in by_neutral:
-            raise ParityError(f"--same-weights: {path} holds {tensor.name}, which the {r.family} checkpoint has no "
-                              f"place for")
-        kind = gguf.GGMLQuantizationType(tensor.tensor_type)
-        types[kind.name] = types.get(kind.name, 0) + 1
-        values = gguf.quants.dequantize(tensor.data, kind)
-        x = torch.from_numpy(values.astype("float32")).reshape(tuple(reversed(tensor.shape.tolist())))  # a writable copy
-        hf_name, t = by_neutral[name]
-        if name.startswith("layers."):
-            x = restyle_rope(name, x, manifest["layers"][int(name.split(".")[1])], spec.rope_style, source_style)
-        if t.norm_offset:
-            x = x - 1.0  # llama.cpp's file holds 1 + w; the checkpoint stores w
-        original = originals.read(hf_name, torch.float32)
-        error = metrics(x, original)["rel_l2"] if x.shape == original.shape else float("inf")
-        if not error <= NOT_A_QUANTIZATION:
-            wrong[hf_name], x = error, original
-        out_tensors[hf_name] = x.contiguous()
-    save_file(out_tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads(ckpt.config_path.read_text())
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (ckpt.path / name).exists():
-            (out / name).write_bytes((ckpt.path / name).read_bytes())
-    return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong}
+    return read_back(ckpt, Path(path), Path(out))
 
 
 def describe(path: Path) -> dict:
@@ -261,8 +193,10 @@ def describe(path: Path) -> dict:
     nothing is dequantized)."""
     import gguf
 
+    from ..gguf_file import open_gguf
+
     types: dict[str, int] = {}
-    for tensor in gguf.GGUFReader(str(path)).tensors:
+    for tensor in open_gguf(Path(path)).tensors:  # a malformed file is refused in one line, not gguf-py's words
         kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
         types[kind] = types.get(kind, 0) + 1
     return {"tensor_types": types}
@@ -350,3 +284,8 @@ def _order(name: str):
     return names.point_order(name)
 
 
+def validate(path: Path, adapter_dirs=()) -> None:
+    """Refuse, before any model loads, a malformed GGUF file or one of an architecture no adapter covers."""
+    from .. import gguf_file
+
+    gguf_file.validate(Path(path), adapter_dirs)

@@ -8,6 +8,8 @@ of it and not a guess.
 - Quantization: the twin runs the candidate's own dequantized weights (a quantized GGUF) in float32; its
   distance is what the file's quantization costs.
 - A golden: each point's noise as recorded, and the storage rounding of its stored activations.
+- An engine's arithmetic: beside a reference that computes as the engine does (--same-weights on a quantized
+  GGUF), the plain reference; their distance is what the engine's rounding costs.
 
 Every source answers ``of(run, name, ref) -> (noise or None, rounding)``; parity.compare.Tolerances turns the
 two into a tolerance.
@@ -21,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..checkpoint import Checkpoint
-from ..compare import metrics
+from ..compare import ENGINE_MULTIPLE, logit_metrics, metrics
 from ..models import Models, Stream, hf_runner
 
 
@@ -55,6 +57,13 @@ class NoNoise:
     """No measured noise: the dtype's default tolerances (or the user's)."""
 
     label = None
+    scale = None  # (multiple, what) of the noise a tolerance is; None: CALIBRATION_MULTIPLE x the noise
+
+    logits = None
+
+    def plain(self, name: str, got: torch.Tensor) -> float | None:
+        """The candidate's error against the plain reference, where the reference emulates an engine."""
+        return None
 
     def of(self, run: int, name: str, ref: torch.Tensor) -> tuple[float | None, float]:
         return None, 0.0
@@ -92,6 +101,36 @@ class Twin(NoNoise):
         if self.inputs is not None:
             self.inputs.close()
         self.stream.stop(wait)
+
+
+class EngineTwin(Twin):
+    """Beside a reference that computes as the candidate's engine does (parity.ggml: a quantized GGUF with
+    --same-weights), the plain one, on the same weights in float32: their distance at each point is what the
+    engine's arithmetic costs there, the noise of the check with --calibrate (the tolerance ENGINE_MULTIPLE times
+    it); the candidate's distance to it is reported beside its distance to the emulating one, calibrated or not."""
+
+    def __init__(self, models: Models, ckpt: Checkpoint, ids: torch.Tensor, points: set[str], *, calibrated: bool,
+                 on_layer: Callable[[int], None] | None = None, last: int | None = None):
+        super().__init__(models, ckpt, torch.float32, ids, points, role="calibration", label="engine arithmetic",
+                         on_layer=on_layer, last=last)
+        self.calibrated = calibrated
+        self.scale = (ENGINE_MULTIPLE, "the engine's rounding")
+        self.seen: torch.Tensor | None = None
+        self.logits: dict | None = None  # the candidate's logit metrics against the plain reference
+
+    def of(self, run: int, name: str, ref: torch.Tensor) -> tuple[float | None, float]:
+        self.seen = self.stream.get(name)
+        if self.seen is None or not self.calibrated:
+            return None, 0.0
+        return metrics(self.seen.to(ref.device), ref)["rel_l2"], 0.0
+
+    def plain(self, name: str, got: torch.Tensor) -> float | None:
+        seen, self.seen = self.seen, None
+        if seen is None:
+            return None
+        if name == "logits":
+            self.logits = logit_metrics(got, seen.to(got.device))
+        return metrics(got, seen.to(got.device))["rel_l2"]
 
 
 class Recorded(NoNoise):

@@ -72,6 +72,7 @@ class Plan:
     isolate: bool
     calibrate: bool              # noise measured (a live twin) or recorded (a golden calibrated for dtype)
     quantized_noise: bool        # ... measured as the reference on the candidate's own dequantized weights
+    arithmetic: object           # parity.ggml.Arithmetic the reference computes with (--same-weights), or None
     tolerances: Tolerances
     inputs: tuple[Inputs, ...]
     span: Span
@@ -120,7 +121,7 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
               generate: int = 0, inject: str | None = None, diagnose: bool = True, checkpoint: Path | None = None,
               adapter_dirs=(), provider: str | None = None, maps=(), stream: bool | None = None,
               device: str = "cpu", candidate_device: str | None = None, layers: str | None = None,
-              decode: int = 0) -> Plan:
+              decode: int = 0, arithmetic=None) -> Plan:
     """The plan of ``parity check`` for these options (parity.checker.run.check documents them), or the
     ParityError of the first one that cannot be honoured."""
     from .. import bugs
@@ -132,7 +133,9 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
     tolerances = Tolerances(dtype, list(tolerance))
     if inject:
         bugs.get(inject)
-    truth = open_reference(Path(reference), adapter_dirs)
+    if arithmetic is not None and not arithmetic.rounds:
+        arithmetic = None  # an all-F32 file: llama.cpp computes in float32, as the reference does
+    truth = open_reference(Path(reference), adapter_dirs, arithmetic)
     truth.check_options(dtype=dtype, calibrate=calibrate, isolate=isolate, generate=generate, checkpoint=checkpoint,
                         adapter_dirs=adapter_dirs)
     ckpt = truth.checkpoint
@@ -167,10 +170,11 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
     if chosen:
         shapes = kind.shapes(Path(candidate), adapter_dirs) if kind.shapes is not None else ()
         stream = not truth.stored and would_not_fit(ckpt, dtype, calibrate, device, shapes, candidate_device)
-    quantized = calibrate and not truth.stored and _quantized(kind, Path(candidate))
+    # a same-weights reference computes on the file's own weights: its noise is the engine's arithmetic instead
+    quantized = calibrate and not truth.stored and arithmetic is None and _quantized(kind, Path(candidate))
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
     weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
-    return Plan(truth, side, dtype, layerwise, isolate, calibrate, quantized, tolerances, inputs, span, decode,
+    return Plan(truth, side, dtype, layerwise, isolate, calibrate, quantized, arithmetic, tolerances, inputs, span, decode,
                 generate, bool(stream), chosen and bool(stream), device, candidate_device, diagnose, weights,
                 tuple(adapter_dirs))
 

@@ -30,7 +30,7 @@ from ..compare import CHUNK_BYTES, OnDisk, logit_metrics
 from ..models import Models, Stream, layer_inputs
 from ..report import PointResult
 from .judge import Judge
-from .noise import NoNoise, Recorded, Twin
+from .noise import EngineTwin, NoNoise, Recorded, Twin
 from .plan import Plan
 
 
@@ -179,6 +179,10 @@ class PromptCheck:
         plan = self.plan
         if plan.reference.stored:
             return Recorded(plan.reference.golden, plan.dtype, plan.isolate, plan.calibrate)
+        if plan.arithmetic is not None:  # the plain reference beside the emulating one, calibrated or not
+            self.say("loading the plain reference, beside the one that computes as the engine does")
+            return EngineTwin(self.models, plan.checkpoint, self.ids, self.needed, calibrated=plan.calibrate,
+                              on_layer=self._progress("plain reference"), last=self.last)
         if not plan.calibrate:
             return NoNoise()
         ckpt, dtype = (self.quantized, torch.float32) if self.quantized is not None else (
@@ -218,13 +222,16 @@ class PromptCheck:
         if name not in self.wanted_set:
             return
         noise, rounding = self.noise.of(self.k, name, ref)
-        result = self.judge(name, got, ref, noise, rounding)
+        result = self.judge(name, got, ref, noise, rounding, scale=self.noise.scale)
+        result.plain_rel_l2 = self.noise.plain(name, got)
         self.out.results.append(result)
         self._keep(name, got, ref, result)
         if i is not None:  # only the latest layer input is held
             self.layer_input = {i: ref}
         if name == "logits":
             self.out.logits = logit_metrics(got, ref.to(got.device))
+            if self.noise.logits is not None:  # beside a reference that emulates the engine: against the plain one
+                self.out.logits["against_plain"] = self.noise.logits
         if name.endswith(".out"):
             self.say(f"compared {name}")
 

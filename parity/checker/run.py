@@ -21,6 +21,7 @@ import torch
 from .. import candidates
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import ParityError
+from ..ggml import Arithmetic
 from ..inputs import check_length
 from ..lengths import exercised
 from ..models import Models, first_device
@@ -215,8 +216,11 @@ def not_quantizations(held: dict) -> list[str]:
 
 def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **options) -> Report:
     """``check`` with the reference built from the candidate's own weights (dequantized; --same-weights), loaded
-    into transformers' model of the reference's family: a quantized candidate is then judged on its compute and
-    conventions, not on its quantization."""
+    into transformers' model of the reference's family and computing as the candidate's engine does (the
+    activations rounded before each matmul as llama.cpp rounds them: parity.ggml), so that a quantized candidate is
+    judged on its compute and conventions, not on its quantization or its engine's arithmetic. The plain
+    reference runs beside it: each point's error against it is reported too, and with --calibrate the distance
+    between the two references is the points' noise."""
     kind = candidate_kind(Path(candidate))
     if kind.same_weights is None:
         raise ParityError(f"--same-weights reads the candidate's weights back; a {kind.name} candidate ({candidate}) "
@@ -227,7 +231,8 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
     ckpt = open_checkpoint(Path(reference), adapter_dirs)
     with tempfile.TemporaryDirectory(prefix="parity-same-weights-") as tmp:
         held = kind.same_weights(ckpt, Path(candidate), Path(tmp))
-        report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, **options)
+        report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, arithmetic=Arithmetic.load(Path(tmp)),
+                       **options)
     report.reference = {"kind": "transformers", "path": str(reference), "same_weights": held}
     report.warnings += not_quantizations(held)
     return report

@@ -37,13 +37,18 @@ class TransformersSide:
     stored = False
     points = None  # every capture point of the adapter
 
-    def __init__(self, path: Path, adapter_dirs=()):
+    def __init__(self, path: Path, adapter_dirs=(), arithmetic=None):
+        """``arithmetic`` (parity.ggml.Arithmetic): run as that engine computes (a same-weights reference)."""
         self.path = Path(path)
         self.checkpoint: Checkpoint = open_checkpoint(self.path, adapter_dirs)
+        self.arithmetic = arithmetic
         self.notes = Notes()
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "path": str(self.path)}
+        out = {"kind": self.kind, "path": str(self.path)}
+        if self.arithmetic is not None:
+            out["arithmetic"] = self.arithmetic.to_json()
+        return out
 
     def inputs(self, **asked) -> list[Inputs]:
         return select_inputs(self.checkpoint, **asked)
@@ -58,7 +63,7 @@ class TransformersSide:
     def run(self, models: Models, k: int, ids: torch.Tensor, points: set[str] | None = None, feed=None,
             on_layer: Callable[[int], None] | None = None, last: int | None = None) -> Callable[[Emit], None]:
         return hf_runner(models, self.checkpoint, torch.float32, ids, feed, points=points, on_layer=on_layer,
-                         last=last)
+                         last=last, arithmetic=self.arithmetic)
 
     def continuation(self, models: Models, k: int, ids: torch.Tensor, n: int) -> list[int]:
         """The n tokens a decode check feeds: the reference's greedy continuation."""
@@ -71,7 +76,8 @@ class TransformersSide:
         can be wrong)."""
         from ..decode import uncached_steps
 
-        return replay_steps(uncached_steps(models, self.checkpoint, ids, tokens, points) if points else {}, len(tokens))
+        steps = uncached_steps(models, self.checkpoint, ids, tokens, points, self.arithmetic) if points else {}
+        return replay_steps(steps, len(tokens))
 
     def step_rounding(self, k: int, n: int) -> dict[str, float]:
         return {}
@@ -117,13 +123,14 @@ class GoldenSide:
         return {p: info["storage_rel_l2"] for p, info in held["points"].items()}
 
 
-def open_reference(path: Path, adapter_dirs=()):
-    """The reference at ``path``: a golden directory, else a Hugging Face checkpoint."""
+def open_reference(path: Path, adapter_dirs=(), arithmetic=None):
+    """The reference at ``path``: a golden directory, else a Hugging Face checkpoint (computing with
+    ``arithmetic``, when given: a same-weights reference)."""
     from ..golden import is_golden, open_golden
 
     if is_golden(Path(path)):
         return GoldenSide(open_golden(Path(path), adapter_dirs))
-    return TransformersSide(path, adapter_dirs)
+    return TransformersSide(path, adapter_dirs, arithmetic)
 
 
 class CandidateSide:

@@ -1,0 +1,132 @@
+"""A GGUF file's own weights read back as a Hugging Face reference (``check --same-weights``), with the arithmetic
+llama.cpp computes them with (parity.ggml), so that the reference computes what a correct port of the file
+computes, and only porting mistakes are left between them.
+
+Each tensor is judged on its way back, by its type:
+
+- stored unquantized (F32, F16, BF16: every norm and bias llama.cpp writes): it must equal the checkpoint's
+  tensor after the documented layout transform (q/k rows in llama.cpp's RoPE order, ``1 + w`` norms), rounded to
+  that type. Anything else is a porting mistake;
+- quantized: within the type's band of the checkpoint's tensor (BANDS: about three times the rel_l2 each type's
+  quantizer leaves on Gaussian weights, and far below the ~1.4 of q/k rows in the other RoPE order).
+
+A tensor that fails is reported, and the reference keeps the checkpoint's own there, so that the check judges it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import ParityError
+from .ggml import OUTPUT, Arithmetic, block_mins
+
+# rel_l2 of a quantized tensor against the checkpoint's beyond which it is not a quantization of it; measured on
+# Gaussian 64x256 weights with gguf-py's quantizers: Q8_0 5.4e-3, Q5_0 4.3e-2, Q5_1 3.8e-2, Q4_0 8.6e-2, Q4_1
+# 7.9e-2 (the K-quants of a bit count sit between those, Q6_K near 1e-2, Q2_K near 0.3)
+BANDS = {"Q8_0": 0.02, "Q8_1": 0.02, "Q6_K": 0.05, "Q5_0": 0.15, "Q5_1": 0.15, "Q5_K": 0.15, "Q4_0": 0.3,
+         "Q4_1": 0.3, "Q4_K": 0.3, "IQ4_NL": 0.3, "IQ4_XS": 0.3, "MXFP4": 0.3}
+OTHER_BAND = 0.6     # Q3_K, Q2_K and the IQ2/IQ3/IQ1 types: coarse, still below a permutation's ~1.4
+EXACT = 1e-6         # an unquantized tensor against the checkpoint's, rounded the same way
+UNQUANTIZED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def band(kind: str) -> float:
+    return EXACT if kind in UNQUANTIZED else BANDS.get(kind, OTHER_BAND)
+
+
+def read_back(ckpt, path: Path, out: Path) -> dict:
+    """Write into ``out`` the reference checkpoint that holds the GGUF file's own weights, dequantized to float32
+    and laid out back as the checkpoint stores them, beside the reference's config and the arithmetic llama.cpp
+    computes them with (parity.ggml.Arithmetic, saved there). Returns what the file held: {"types": {GGML type:
+    count}, "tensors": n, "not_a_quantization": {checkpoint tensor: rel_l2}, "bands": {type: rel_l2}}."""
+    import gguf
+    from safetensors.torch import save_file
+
+    from .checkpoint import stored_tensor_map
+    from .compare import metrics
+    from .gguf_export import neutral_name
+    from .gguf_file import open_gguf
+    from .lazy import Dequantizer
+    from .neutral import build_manifest, restyle_rope
+
+    spec = ckpt.adapter.spec.gguf
+    reader = open_gguf(Path(path))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    if spec is None or arch != spec.arch:
+        raise ParityError(f"--same-weights: {path} is a llama.cpp {arch!r} model; parity reads back only the "
+                          f"architecture of the reference's family ({ckpt.resolved.family}: "
+                          f"{spec.arch if spec else 'none'})")
+    r = ckpt.resolved
+    check = ckpt.check()
+    manifest = build_manifest(ckpt, torch.float32, spec.rope_style, check.prefix, hashes=False)
+    by_neutral = {}
+    for hf_name, t in stored_tensor_map(r, check).items():
+        if len(t.neutral) != 1 or t.transpose or t.unstack or t.split is not None:
+            raise ParityError(f"--same-weights: {hf_name} is split, fused or transposed on its way to the neutral "
+                              f"layout; reading it back from GGUF is not supported")
+        by_neutral[t.neutral[0]] = (hf_name, t)
+    source_style = r["positions.rope_style"]
+    out_tensors, types, wrong, bands = {}, {}, {}, {}
+    arithmetic = Arithmetic(gelu_table=r["mlp.activation"] == "gelu_tanh")
+    originals = Dequantizer.of(ckpt)
+    names = {tensor.name for tensor in reader.tensors}
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue
+        name = neutral_name(tensor.name)
+        if name is None or name not in by_neutral:
+            raise ParityError(f"--same-weights: {path} holds {tensor.name}, which the {r.family} checkpoint has no "
+                              f"place for")
+        kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        types[kind] = types.get(kind, 0) + 1
+        hf_name, t = by_neutral[name]
+        layer = manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None
+
+        def to_checkpoint(x: torch.Tensor, name: str = name, layer: dict | None = layer) -> torch.Tensor:
+            """From the file's layout back to the checkpoint's."""
+            return x if layer is None else restyle_rope(name, x, layer, spec.rope_style, source_style)
+
+        values = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.tensor_type))
+        stored = torch.from_numpy(values.astype("float32")).reshape(tuple(reversed(tensor.shape.tolist())))
+        original = originals.read(hf_name, torch.float32)
+        # judged where the file's values are: the checkpoint's tensor written as the file should hold it
+        expected = original + 1.0 if t.norm_offset else original  # llama.cpp's file holds 1 + w
+        if layer is not None:
+            expected = restyle_rope(name, expected, layer, source_style, spec.rope_style)
+        if kind in UNQUANTIZED:
+            expected = expected.to(UNQUANTIZED[kind]).float()
+        error = metrics(stored, expected)["rel_l2"] if stored.shape == expected.shape else float("inf")
+        bands[kind] = band(kind)
+        if not error <= band(kind):
+            wrong[hf_name] = error
+            x = original
+        else:
+            x = to_checkpoint(stored - 1.0 if t.norm_offset else stored)
+        out_tensors[hf_name] = x.contiguous()
+        if stored.dim() == 2 and name != "embed.tokens.weight":  # a matmul's weight (the embedding is a lookup)
+            module = hf_name.removesuffix(".weight")
+            arithmetic.matmuls[module] = kind
+            mins = block_mins(tensor.data, kind)
+            if mins is not None:
+                arithmetic.mins[module] = to_checkpoint(mins)
+    tied = "output.weight" not in names and "token_embd.weight" in names
+    if tied:  # llama.cpp multiplies the final norm's output by token_embd: its type rounds that input too
+        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        kind = gguf.GGMLQuantizationType(embd.tensor_type).name
+        arithmetic.matmuls[OUTPUT] = kind
+        mins = block_mins(embd.data, kind)
+        if mins is not None:
+            arithmetic.mins[OUTPUT] = mins
+    save_file(out_tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+    arithmetic.save(Path(out))
+    config = json.loads(ckpt.config_path.read_text())
+    (Path(out) / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (ckpt.path / name).exists():
+            (Path(out) / name).write_bytes((ckpt.path / name).read_bytes())
+    return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong,
+            "bands": dict(sorted(bands.items())), "arithmetic": arithmetic.to_json()}
