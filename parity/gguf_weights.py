@@ -129,4 +129,4 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
         if (ckpt.path / name).exists():
             (Path(out) / name).write_bytes((ckpt.path / name).read_bytes())
     return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong,
-            "bands": dict(sorted(bands.items())), "arithmetic": arithmetic.to_json()}
+            "bands": dict(sorted(bands.items()))}

@@ -222,6 +222,16 @@ def _extras(report: Report) -> list[tuple[str, list[str]]]:
         items = [f"{k} {_num(report.logits[k])}" for k in LOGIT_KEYS if report.logits.get(k) is not None]
         if items:
             out.append(("logits", [" · ".join(items)]))
+    arithmetic = report.reference.get("arithmetic")
+    if isinstance(arithmetic, dict):  # the reference computed as the candidate's engine does
+        matmuls = ", ".join(f"{n} {k}" for k, n in (arithmetic.get("matmuls") or {}).items())
+        lines = [f"the reference computes as {arithmetic.get('engine')}: matmuls (weight x activation) {matmuls}; "
+                 f"GELU {arithmetic.get('gelu')}; 'vs plain': each point against the plain reference"]
+        against = (report.logits or {}).get("against_plain")
+        if isinstance(against, dict):
+            lines.append("logits against the plain reference: " + " · ".join(
+                f"{k} {_num(against[k])}" for k in LOGIT_KEYS if against.get(k) is not None))
+        out.append(("engine arithmetic", lines))
     quantized = []
     for role, side in (("reference", report.reference), ("candidate", report.candidate)):
         q = side.get("quantization")
@@ -257,12 +267,14 @@ def console(report: Report, console: Console, *, per_layer: bool = False) -> Non
     """Print the report as a rich table, then the verdict, logit metrics, diagnosis and warnings."""
     # narrower than the reports (which also hold max_abs and the noise value): fits 80 columns
     calibrated = _calibrated(report)
+    plain = any(p.plain_rel_l2 is not None for p in report.points)  # the reference emulates the engine
     rows = _rows(report, per_layer)
     table = Table(title=Text(_title(report)), box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False,
                   collapse_padding=True)
     table.add_column("layer (worst point)" if per_layer else "point", no_wrap=True,
                      min_width=max([len(label) for _, label, _ in rows] + [5]))
-    for h in ("rel_l2", "tolerance", *(["x noise"] if calibrated else []), "cosine"):
+    for h in ("rel_l2", *(["vs plain"] if plain else []), "tolerance", *(["x noise"] if calibrated else []),
+              "cosine"):
         table.add_column(h, no_wrap=True, justify="right")
     table.add_column("vs tol", no_wrap=True)
     table.add_column("status", no_wrap=True)
@@ -272,8 +284,9 @@ def console(report: Report, console: Console, *, per_layer: bool = False) -> Non
             s, threshold = _bar(_ratio(p), width=8)
             bar.append(s[:threshold], style="green")
             bar.append(s[threshold:], style="red" if _ratio(p) > 1 else "dim")
-        cells = ["-"] * (3 + calibrated) if not p.compared else [
-            _e(p.rel_l2), _e(p.tolerance.rel_l2), *([_times(p.noise_ratio) if p.noise else "-"] if calibrated else []),
+        cells = ["-"] * (3 + calibrated + plain) if not p.compared else [
+            _e(p.rel_l2), *([_e(p.plain_rel_l2) if p.plain_rel_l2 is not None else "-"] if plain else []),
+            _e(p.tolerance.rel_l2), *([_times(p.noise_ratio) if p.noise else "-"] if calibrated else []),
             _cos(p.cosine)]
         style = "bold red" if status.startswith("FAIL") else "green" if status == "pass" else "dim"
         table.add_row(Text(label), *(Text(c) for c in cells), bar, Text(status, style=style))

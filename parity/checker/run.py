@@ -233,7 +233,8 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
         held = kind.same_weights(ckpt, Path(candidate), Path(tmp))
         report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, arithmetic=Arithmetic.load(Path(tmp)),
                        **options)
-    report.reference = {"kind": "transformers", "path": str(reference), "same_weights": held}
+    # the reference the user named, built from the candidate's weights (and computing as its engine does)
+    report.reference = {**report.reference, "path": str(reference), "same_weights": held}
     report.warnings += not_quantizations(held)
     return report
 
