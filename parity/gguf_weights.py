@@ -124,6 +124,9 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     save_file(out_tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
     arithmetic.save(Path(out))
     config = json.loads(ckpt.config_path.read_text())
+    if "output.weight" in names and config.get("tie_word_embeddings"):
+        # the file stores the output matrix apart (quantized otherwise than token_embd): llama.cpp multiplies by it
+        config["tie_word_embeddings"] = False
     (Path(out) / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (ckpt.path / name).exists():

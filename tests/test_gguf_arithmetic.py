@@ -30,9 +30,9 @@ from .test_gguf_quantize import WIDE
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
 
-from parity.candidates.gguf import GGUFRun, _read  # noqa: E402  (needs llama_cpp only when run)
-from parity.compare import ENGINE_MULTIPLE, NOISE_FLOOR  # noqa: E402
-from parity.ggml import ACTIVATIONS, block_mins, round_activations  # noqa: E402
+from parity.candidates.gguf import GGUFRun, _read
+from parity.compare import ENGINE_MULTIPLE, NOISE_FLOOR
+from parity.ggml import ACTIVATIONS, block_mins, round_activations
 
 IDS = [(37 * k + 11) % 256 for k in range(16)]  # tokens for the one-op runs (every tiny vocabulary has 256)
 
@@ -266,9 +266,8 @@ def test_a_q8_0_twin_fails_where_its_bug_acts(family, bug, first, checkpoint, gg
     warned = bug != "rope-theta-wrong"  # a tensor that is not the checkpoint's, kept out of the reference
     assert any("not a quantization of the checkpoint's" in w for w in report["warnings"]) == warned
     named = report["diagnosis"][0]["bug"]
-    if (family, bug) in NOT_NAMED_AT_Q8_0:
-        if named != bug:
-            pytest.xfail(NOT_NAMED_AT_Q8_0[(family, bug)] + f" (this run: {report['diagnosis'][0]['evidence']})")
+    if (family, bug) in NOT_NAMED_AT_Q8_0 and named != bug:
+        pytest.xfail(NOT_NAMED_AT_Q8_0[(family, bug)] + f" (this run: {report['diagnosis'][0]['evidence']})")
     assert named == bug, report["diagnosis"]
 
 

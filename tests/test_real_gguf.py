@@ -66,7 +66,7 @@ def test_llama_cpp_matmuls_are_reproduced_on_their_own_inputs():
                                    ("attn_norm-0", "Vcur-0", "blk.0.attn_v.weight"),
                                    ("ffn_norm-0", "ffn_up-0", "blk.0.ffn_up.weight"),
                                    ("ffn_swiglu-0", "ffn_out-0", "blk.0.ffn_down.weight"),
-                                   ("result_norm", "result_output", "token_embd.weight")]:
+                                   ("result_norm", "result_output", "output.weight")]:
         t = tensors[w_name]
         kind = gguf.GGMLQuantizationType(t.tensor_type)
         w = torch.from_numpy(gguf.quants.dequantize(t.data, kind).astype("float32"))
