@@ -62,7 +62,8 @@ def uncached_steps(models: Models, ckpt: Checkpoint, ids: torch.Tensor, tokens: 
     point -> [1, N, width], step k at index k - 1 (position S + k - 1). ``arithmetic``: as for hf_runner."""
     full = torch.cat([ids, torch.tensor([tokens])], dim=1)
     captured: dict[str, torch.Tensor] = {}
-    hf_runner(models, ckpt, torch.float32, full, points=points, arithmetic=arithmetic)(lambda name, t: captured.setdefault(name, t))
+    run = hf_runner(models, ckpt, torch.float32, full, points=points, arithmetic=arithmetic)
+    run(lambda name, t: captured.setdefault(name, t))
     missing = sorted(points - set(captured))
     if missing:
         raise ParityError(f"{ckpt.path}: the reference never produced {', '.join(missing)}; fix the adapter's "

@@ -23,7 +23,8 @@ import torch
 from . import atomic
 from .checkpoint import open_checkpoint
 from .errors import ParityError
-from .gguf_quantize import LLAMA_TYPES, ftype, header_types, quantize, summary
+from .gguf_file import header_types
+from .gguf_quantize import LLAMA_TYPES, ftype, quantize, summary
 from .jsonfile import read_json
 
 # neutral name -> llama.cpp's (gguf-py's MODEL_TENSOR names), {i} the layer
@@ -230,6 +231,21 @@ def _add_vocabulary(writer, vocab: tuple[list, list] | None) -> None:
     writer.add_add_bos_token(False)
 
 
+def _encoded(x: torch.Tensor, matrix):
+    """A tensor's data as gguf-py takes it, matrices in type ``matrix`` and vectors F32: (data, its raw GGML type
+    for quantized data, else None)."""
+    import gguf
+    import numpy as np
+
+    kind = matrix if x.dim() == 2 else gguf.GGMLQuantizationType.F32
+    if kind == gguf.GGMLQuantizationType.Q8_0 and x.shape[-1] % 32:
+        kind = gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of 32; llama.cpp's converter falls back too
+    if kind == gguf.GGMLQuantizationType.Q8_0:
+        rows = [gguf.quants.quantize(part.float().numpy(), kind) for part in x.split(QUANTIZE_ROWS)]
+        return np.concatenate(rows), kind
+    return x.to(torch.float16 if kind == gguf.GGMLQuantizationType.F16 else torch.float32).numpy(), None
+
+
 def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, adapter_dirs=(),
            inject: str | None = None) -> dict:
     """Write checkpoint ``path`` as the GGUF file ``out`` (with a catalogued mistake: ``inject``), its matrices
@@ -240,7 +256,6 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
         import gguf
     except ImportError:
         raise ParityError("--to gguf writes with gguf-py: pip install 'parity[llama]' (or pip install gguf)") from None
-    import numpy as np
 
     from .neutral import build_manifest, neutral_tensors, source_dtype
 
@@ -261,9 +276,7 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
     check_convertible(ckpt)
     check = ckpt.check()
     # llama.cpp quantizes from a file written first: F16 where that is the checkpoint's own type, else F32
-    plain = qtype
-    if qtype in LLAMA_TYPES:
-        plain = "F16" if source_dtype(ckpt, check) == torch.float16 else "F32"
+    plain = ("F16" if source_dtype(ckpt, check) == torch.float16 else "F32") if qtype in LLAMA_TYPES else qtype
     # tensors come out of the checkpoint at the type they are written in (F16), or at their own (quantized from
     # float32 a block of rows at a time): a float32 copy of a bf16 model's embedding would double the peak
     work = {"F32": torch.float32, "F16": torch.float16}.get(plain) or source_dtype(ckpt, check)
@@ -273,10 +286,9 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
             info["dtype"] = "float32"
     if manifest["head"] is None:
         raise ParityError(f"{path}: a model without an LM head cannot run in llama.cpp")
-    matrix = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
-              "Q8_0": gguf.GGMLQuantizationType.Q8_0}[plain]
-    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[plain]
+    matrix, file_type = {"F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+                         "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+                         "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}[plain]
     tensors = neutral_tensors(ckpt, manifest)
     if inject is not None:  # a broken twin, for tests and selftests: small models, held whole
         manifest, held = _injected(inject, manifest, dict(tensors), ckpt.resolved["positions.rope_style"])
@@ -299,15 +311,8 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
             target = gguf_name(name)
             if target is None:
                 raise ParityError(f"{path}: neutral tensor {name} has no llama.cpp name in parity/gguf_export.py")
-            kind = matrix if x.dim() == 2 else gguf.GGMLQuantizationType.F32
-            if kind == gguf.GGMLQuantizationType.Q8_0 and x.shape[-1] % 32:
-                kind = gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of 32; llama.cpp's converter falls back too
-            if kind == gguf.GGMLQuantizationType.Q8_0:
-                data = np.concatenate([gguf.quants.quantize(rows.float().numpy(), kind)
-                                       for rows in x.split(QUANTIZE_ROWS)])
-            else:
-                data = x.to(torch.float16 if kind == gguf.GGMLQuantizationType.F16 else torch.float32).numpy()
-            writer.add_tensor(target, data, raw_dtype=kind if kind == gguf.GGMLQuantizationType.Q8_0 else None)
+            data, raw = _encoded(x, matrix)
+            writer.add_tensor(target, data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()  # copies the spill file into place, and closes it

@@ -261,6 +261,13 @@ def _gguf():
     return gguf
 
 
+def header_types(path: Path) -> dict[str, tuple[str, int, int]]:
+    """{tensor name: (GGML type, row length, dimensions)} as the file's header states them, checked."""
+    gguf = _gguf()
+    return {t.name: (gguf.GGMLQuantizationType(t.type).name, t.shape[0], len(t.shape))
+            for t in read_header(path).tensors}
+
+
 def open_gguf(path: Path):
     """gguf-py's ``GGUFReader`` on ``path``, once its header has been checked (``read_header``): a malformed file is
     refused with one line (ParityError) before gguf-py reads it."""

@@ -92,17 +92,6 @@ def quantize(source: Path, out: Path, qtype: str, *, threads: int = 0) -> None:
         raise ParityError(f"llama.cpp's quantizer wrote no {qtype} file ({_said(text)})")
 
 
-def header_types(path: Path) -> dict[str, tuple[str, int, int]]:
-    """{tensor name: (GGML type, row length, dimensions)} as the GGUF file's header states them."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # noqa: BLE001 - a file llama.cpp or gguf-py wrote that gguf-py cannot read back
-        raise ParityError(f"{path}: gguf-py cannot read the written file back ({type(exc).__name__}: {exc})") from None
-    return {t.name: (t.tensor_type.name, int(t.shape[0]), len(t.shape)) for t in reader.tensors}
-
-
 def _counts(types) -> str:
     return ", ".join(f"{n} {t}" for t, n in sorted(Counter(types).items(), key=lambda kv: (-kv[1], kv[0])))
 

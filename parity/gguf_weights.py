@@ -43,7 +43,6 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     computes them with (parity.ggml.Arithmetic, saved there). Returns what the file held: {"types": {GGML type:
     count}, "tensors": n, "not_a_quantization": {checkpoint tensor: rel_l2}, "bands": {type: rel_l2}}."""
     import gguf
-    from safetensors.torch import save_file
 
     from .checkpoint import stored_tensor_map
     from .compare import metrics
@@ -63,14 +62,9 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     r = ckpt.resolved
     check = ckpt.check()
     manifest = build_manifest(ckpt, torch.float32, spec.rope_style, check.prefix, hashes=False)
-    by_neutral = {}
-    for hf_name, t in stored_tensor_map(r, check).items():
-        if len(t.neutral) != 1 or t.transpose or t.unstack or t.split is not None:
-            raise ParityError(f"--same-weights: {hf_name} is split, fused or transposed on its way to the neutral "
-                              f"layout; reading it back from GGUF is not supported")
-        by_neutral[t.neutral[0]] = (hf_name, t)
+    by_neutral = _by_neutral(stored_tensor_map(r, check))
     source_style = r["positions.rope_style"]
-    out_tensors, types, wrong, bands = {}, {}, {}, {}
+    out_tensors, types, wrong = {}, {}, {}
     arithmetic = Arithmetic(gelu_table=r["mlp.activation"] == "gelu_tanh")
     originals = Dequantizer.of(ckpt)
     names = {tensor.name for tensor in reader.tensors}
@@ -100,7 +94,6 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
         if kind in UNQUANTIZED:
             expected = expected.to(UNQUANTIZED[kind]).float()
         error = metrics(stored, expected)["rel_l2"] if stored.shape == expected.shape else float("inf")
-        bands[kind] = band(kind)
         if not error <= band(kind):
             wrong[hf_name] = error
             x = original
@@ -113,23 +106,41 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
             mins = block_mins(tensor.data, kind)
             if mins is not None:
                 arithmetic.mins[module] = to_checkpoint(mins)
-    tied = "output.weight" not in names and "token_embd.weight" in names
-    if tied:  # llama.cpp multiplies the final norm's output by token_embd: its type rounds that input too
+    if "output.weight" not in names and "token_embd.weight" in names:
+        # tied: llama.cpp multiplies the final norm's output by token_embd, whose type rounds that input too
         embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
         kind = gguf.GGMLQuantizationType(embd.tensor_type).name
         arithmetic.matmuls[OUTPUT] = kind
         mins = block_mins(embd.data, kind)
         if mins is not None:
             arithmetic.mins[OUTPUT] = mins
-    save_file(out_tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
-    arithmetic.save(Path(out))
+    _write(ckpt, Path(out), out_tensors, arithmetic, untie="output.weight" in names)
+    return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong,
+            "bands": {kind: band(kind) for kind in sorted(types)}}
+
+
+def _by_neutral(stored: dict) -> dict:
+    """neutral name -> (checkpoint name, its resolved tensor), for tensors that map one to one."""
+    by_neutral = {}
+    for hf_name, t in stored.items():
+        if len(t.neutral) != 1 or t.transpose or t.unstack or t.split is not None:
+            raise ParityError(f"--same-weights: {hf_name} is split, fused or transposed on its way to the neutral "
+                              f"layout; reading it back from GGUF is not supported")
+        by_neutral[t.neutral[0]] = (hf_name, t)
+    return by_neutral
+
+
+def _write(ckpt, out: Path, tensors: dict[str, torch.Tensor], arithmetic: Arithmetic, untie: bool) -> None:
+    """The reference directory: the tensors, the arithmetic, the checkpoint's config (untied where the file stores
+    the output matrix apart, quantized otherwise than token_embd: llama.cpp multiplies by it) and tokenizer."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    arithmetic.save(out)
     config = json.loads(ckpt.config_path.read_text())
-    if "output.weight" in names and config.get("tie_word_embeddings"):
-        # the file stores the output matrix apart (quantized otherwise than token_embd): llama.cpp multiplies by it
+    if untie and config.get("tie_word_embeddings"):
         config["tie_word_embeddings"] = False
-    (Path(out) / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (ckpt.path / name).exists():
-            (Path(out) / name).write_bytes((ckpt.path / name).read_bytes())
-    return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong,
-            "bands": dict(sorted(bands.items()))}
+            (out / name).write_bytes((ckpt.path / name).read_bytes())

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from parity import gguf_quantize
+from parity import gguf_file, gguf_quantize
 from parity.cli import cli
 from parity.errors import ParityError
 from parity.gguf_export import TYPES, export
@@ -69,7 +69,7 @@ def test_every_type_the_option_offers_is_one_the_exporter_makes():
 @pytest.mark.parametrize("qtype", ASKED)
 def test_the_file_holds_the_asked_type_in_llama_cpps_mix(qtype, written):
     out, printed = written[qtype]
-    header = gguf_quantize.header_types(out)
+    header = gguf_file.header_types(out)
     types = {name: h[0] for name, h in header.items()}
     vectors = {name for name, h in header.items() if h[2] == 1}
     assert vectors and all(types[n] == "F32" for n in vectors)  # norms (and rope_freqs) stay F32
@@ -99,7 +99,7 @@ def test_the_quantized_file_loads_and_runs_in_llama_cpp(qtype, written, wide, tm
 def test_rows_that_do_not_fit_the_block_fall_back_and_the_summary_says_so(tmp_path, tiny_dir):
     """The tiny Llama's rows are 64 and 128 columns: llama.cpp stores Q4_K as Q5_0 and Q6_K as Q8_0."""
     done = export(tiny_dir("llama"), tmp_path / "narrow.gguf", qtype="Q4_K_M")
-    header = gguf_quantize.header_types(tmp_path / "narrow.gguf")
+    header = gguf_file.header_types(tmp_path / "narrow.gguf")
     assert done["tensors"] == {n: h[0] for n, h in header.items()}
     matrices = {n: done["tensors"][n] for n, h in header.items() if h[2] == 2}
     assert set(matrices.values()) == {"Q5_0", "Q8_0"}

@@ -71,7 +71,7 @@ def test_llama_cpp_matmuls_are_reproduced_on_their_own_inputs():
         kind = gguf.GGMLQuantizationType(t.tensor_type)
         w = torch.from_numpy(gguf.quants.dequantize(t.data, kind).astype("float32"))
         x, y = got[x_name], got[y_name]
-        rel = lambda a: float((a - y).norm() / y.norm())  # noqa: E731
+        rel = lambda a, y=y: float((a - y).norm() / y.norm())  # noqa: E731
         emulated = rel(round_activations(x, ACTIVATIONS[kind.name])[0] @ w.T)
         assert emulated < 1e-6, (w_name, kind.name, emulated)
         assert rel(x @ w.T) > 1e-3, (w_name, kind.name)

@@ -58,8 +58,7 @@ class NoNoise:
 
     label = None
     scale = None  # (multiple, what) of the noise a tolerance is; None: CALIBRATION_MULTIPLE x the noise
-
-    logits = None
+    logits = None  # the candidate's logit metrics against a plain reference (EngineTwin)
 
     def plain(self, name: str, got: torch.Tensor) -> float | None:
         """The candidate's error against the plain reference, where the reference emulates an engine."""

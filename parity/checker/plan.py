@@ -174,8 +174,8 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
     quantized = calibrate and not truth.stored and arithmetic is None and _quantized(kind, Path(candidate))
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
     weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
-    return Plan(truth, side, dtype, layerwise, isolate, calibrate, quantized, arithmetic, tolerances, inputs, span, decode,
-                generate, bool(stream), chosen and bool(stream), device, candidate_device, diagnose, weights,
+    return Plan(truth, side, dtype, layerwise, isolate, calibrate, quantized, arithmetic, tolerances, inputs, span,
+                decode, generate, bool(stream), chosen and bool(stream), device, candidate_device, diagnose, weights,
                 tuple(adapter_dirs))
 
 
