@@ -23,6 +23,7 @@ KIND = "gguf"
 # llama.cpp graph tensor -> capture point ({i}: the layer). llama.cpp names the MLP's output "ffn_out" and then
 # the residual sum after it "ffn_out" again: the first of the two is the MLP's output.
 POINTS = {
+    "embd": "embed",                    # the looked-up embeddings
     "inp_scaled": "embed",              # gemma*: the embeddings times sqrt(hidden)
     "attn_norm-{i}": "layers.{i}.attn_in",
     "attn_out-{i}": "layers.{i}.attn_out",
