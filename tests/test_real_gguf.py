@@ -92,8 +92,8 @@ def test_the_real_file_passes_against_the_emulating_reference(prompt, tmp_path):
 # twin -> (the first failing point, the diagnosis, or None where no catalogued mistake reproduces it)
 TWINS = {"norms-shifted": ("layers.0.attn_in", "norm-offset-added"),
          "qk-permuted": ("layers.0.mid", None),
-         "qkv-bias-dropped": ("layers.0.mid", None),
-         "freq-base-wrong": ("layers.0.mid", None)}
+         "qkv-bias-dropped": ("layers.0.mid", "qkv-bias-dropped"),
+         "freq-base-wrong": ("layers.0.mid", "rope-theta-wrong")}
 
 
 @pytest.mark.parametrize("mistake", sorted(TWINS))
