@@ -11,11 +11,13 @@ files once so that they sit in the page cache, copies them with `cp -r` (the flo
 reads and writes every byte), converts them in a child process, and prints:
 
   convert time / cp time        how much slower than copying the same bytes the converter is
-                                (the convert time includes starting python and importing torch)
+                                (the convert time includes starting python and its imports: torch only
+                                where a tensor must be transformed, so not for this checkpoint)
   convert CPU / cp CPU          the same in CPU seconds (user + system, every thread): what the ratio
                                 tends to when other work keeps the cores busy
   peak RSS / largest tensor     how much memory conversion needs relative to the one tensor it must
-                                hold; also with the child's baseline (python + torch imported) removed
+                                hold; also with the child's baseline (python + the converter imported)
+                                removed
 
 Copies and conversions alternate (--repeat times; medians are printed), and dirty pages are flushed
 before each, so that neither pays for the other's writeback. The load average before and after is printed:
@@ -82,7 +84,7 @@ def main() -> None:
             with open(p, "rb", buffering=0) as f:
                 while f.read(2**24):
                     pass
-        # the child's memory floor: python with parity's converter and torch imported, nothing converted
+        # the child's memory floor: python with parity's converter imported, nothing converted
         baseline = run("import parity.neutral", "baseline", quiet=True).peak
         for _ in range(args.repeat):  # alternated, so that load from other processes falls on both alike
             os.sync()

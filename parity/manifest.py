@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Optional
 
-import torch
 from pydantic import Field, model_validator
 from safetensors import safe_open
 
@@ -18,10 +17,13 @@ from .errors import ParityError
 from .jsonfile import StrictSpec, check_schema, read_json
 from .shards import hash_file, read_header
 
+if TYPE_CHECKING:
+    import torch
+
 FORMAT = "parity-neutral"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the model dtypes a manifest may state (DTYPES: as torch's)
 # Block norms by where they sit (see parity/names.py): the executor applies whichever are present.
 BLOCK_NORMS = ("attn_norm", "attn_post_norm", "attn_res_norm", "mlp_norm", "mlp_post_norm", "mlp_res_norm")
 EXTRA_NORMS = ("attn.q_norm", "attn.k_norm", "attn.v_norm", "attn.q_a_norm", "attn.kv_a_norm", "moe.router_norm",
@@ -448,6 +450,15 @@ def load(path: Path, *, verify: bool = False, lazy: bool = False) -> tuple[dict,
             raise ParityError(f"{directory / file}: not a readable safetensors file ({str(exc)[:160]}); "
                               f"{fix}") from None
     return manifest, tensors
+
+
+def __getattr__(name: str) -> Any:
+    """DTYPES (name -> torch dtype), made when first asked for, so that writing a manifest needs no torch."""
+    if name == "DTYPES":
+        import torch
+
+        return {n: getattr(torch, n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def summary(manifest: dict) -> dict[str, Any]:

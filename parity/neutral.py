@@ -13,25 +13,37 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import BinaryIO, Callable, Container, Iterator
-
-import torch
+from typing import Any, BinaryIO, Callable, Container, Iterator
 
 from . import __version__, atomic, names
 from .adapter import Resolved, ResolvedNorm, ResolvedTensor, rope_settings
 from .checkpoint import Checkpoint, open_checkpoint, stored_tensor_map
 from .errors import ParityError
-from .lazy import Dequantizer
-from .manifest import BLOCK_NORMS, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST
+from .manifest import BLOCK_NORMS, DTYPE_NAMES, FORMAT, FORMAT_VERSION, MANIFEST
 from .quantization import dequantize, quantized_weights, rounding_error
-from .shards import (HASH, ContentHash, Hashing, Header, Pieces, PlannedTensor, ShardWriter, hash_file, plan,
-                     read_header)
+from .shards import (HASH, ContentHash, Hashing, Header, Pieces, PlannedTensor, ShardWriter, dtype_code, hash_file,
+                     plan, read_header)
 
-SOURCE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-READ_DTYPES = {**SOURCE_DTYPES, "F8_E4M3": torch.float8_e4m3fn}  # FP8 only with block scales (parity.quantization)
+
+class _Torch:
+    """torch, imported at its first use: a conversion that copies every tensor as it is stored never uses it
+    (importing torch, and tearing it down at exit, took longer than hashing a 5 GB checkpoint)."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)  # not kept: what a test patches in torch is seen here too
+
+
+torch = _Torch()
+
+# safetensors' codes -> torch dtype names
+SOURCE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+READ_DTYPES = {**SOURCE_DTYPES, "F8_E4M3": "float8_e4m3fn"}  # FP8 only with block scales (parity.quantization)
 DEFAULT_SHARD_BYTES = 5 * 2**30
 READ_CHUNK = 2**20  # source bytes read, and hashed, at a time
 RING = 4  # buffers of READ_CHUNK that a streamed tensor's pieces cycle through, while earlier ones are hashed
+# and written
 
 
 
@@ -123,11 +135,12 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
     }
 
 
-def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix: str | None = None,
+def build_manifest(ckpt: Checkpoint, dtype: torch.dtype | str, rope_style: str, prefix: str | None = None,
                    hashes: bool = True) -> dict:
     """Every convention of the checkpoint as explicit values, and the tensors it becomes (files: by convert).
     ``hashes=False`` leaves the source files' hashes (``HASH``) out: a manifest for running, or one whose writer
-    hashes the files as it reads them (convert, in its one pass)."""
+    hashes the files as it reads them (convert, in its one pass). ``dtype``: a torch dtype or its name."""
+    target = str(dtype).removeprefix("torch.")
     r = ckpt.resolved
     prefix = prefix if prefix is not None else ckpt.variant.tensor_prefix[0]
     layers = [layer_manifest(r, i, rope_style) for i in range(r.num_layers)]
@@ -139,7 +152,7 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "written_by": f"parity {__version__}",
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": target,
         "source": {
             "family": r.family,
             "architecture": ckpt.variant.architectures[0],
@@ -177,8 +190,7 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype, rope_style: str, prefix
         },
         "capture_points": names.capture_names(r.num_layers, final_norm=r["norm.final"], logits=has_logits),
         # shapes and dtypes as written; "transposed": the source stored it [in, out] (GPT-2's Conv1D)
-        "tensors": {name: {"shape": list(shape), "dtype": str(_stored_dtype(name, layers, dtype)).removeprefix("torch."),
-                           "transposed": t.transpose}
+        "tensors": {name: {"shape": list(shape), "dtype": _stored_dtype(name, layers, target), "transposed": t.transpose}
                     for t in r.tensor_map(prefix).values() for name, shape in _neutral_shapes(t)},
     }
 
@@ -206,6 +218,8 @@ def neutral_tensors(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """The neutral tensors ``keep`` selects, one at a time, converted from the checkpoint's files without
     reading the rest: at the manifest's dtype, q/k rows in its RoPE style."""
+    from .lazy import Dequantizer
+
     r = ckpt.resolved
     files = Dequantizer.of(ckpt)  # FP8 weights read dequantized, in float32
     source_style = r["positions.rope_style"]
@@ -226,6 +240,8 @@ def neutral_subset(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool]
 
 
 def _neutral_shapes(t: ResolvedTensor) -> list[tuple[str, tuple[int, ...]]]:
+    if not (t.transpose or t.unstack or t.split is not None) and len(t.neutral) == 1:
+        return [(t.neutral[0], tuple(t.shape))]  # nothing reshapes it (most tensors): no torch needed
     meta = torch.empty(t.shape, device="meta")
     return [(n, tuple(p.shape)) for n, p in to_neutral(t, meta)]
 
@@ -262,9 +278,18 @@ def _permute_rows(x: torch.Tensor, block: int, offset: int, perm: torch.Tensor, 
     return x.index_select(dim, index)
 
 
+def _restyles(name: str, layer: dict, source: str, target: str) -> bool:
+    """Whether restyle_rope permutes tensor ``name`` (of a layer)."""
+    if source == target:
+        return False
+    att = layer["attention"]
+    short = name.split(".", 2)[2] if name.startswith("layers.") else name
+    return _rope_rows(name, layer) is not None or (short == "attn.o.weight" and att["k_eq_v"] and att["mla"] is None)
+
+
 def restyle_rope(name: str, x: torch.Tensor, layer: dict, source: str, target: str) -> torch.Tensor:
     """Permute q/k rows (and what shares their layout) from ``source`` to ``target`` RoPE style."""
-    if source == target:
+    if not _restyles(name, layer, source, target):
         return x
     from .rope import half_permutation, interleave_permutation
 
@@ -286,12 +311,12 @@ def restyle_rope(name: str, x: torch.Tensor, layer: dict, source: str, target: s
 # Convert
 
 
-def _stored_dtype(name: str, layers: list[dict], target: torch.dtype) -> torch.dtype:
+def _stored_dtype(name: str, layers: list[dict], target: str) -> str:
     """The model dtype, except for tensors the model keeps in float32 whatever it runs in (a float32 router)."""
     if name.startswith("layers.") and ".moe.router." in name:
         moe = layers[int(name.split(".")[1])]["mlp"]["moe"]
         if moe and moe["router_dtype"] == "float32":
-            return torch.float32
+            return "float32"
     return target
 
 
@@ -299,19 +324,19 @@ class _Reader:
     """A checkpoint's safetensors files, each read once from front to back, READ_CHUNK bytes at a time.
 
     Every byte read (the header, and tensors the adapter does not map) goes to the file's hash (``HASH``), so the
-    manifest's source hashes cost no second pass; hashing runs on a thread of its own (``hashing``) while the
-    next piece is read and the tensor is converted and written. Tensors in ``streamed`` (written exactly as
-    they are stored) and those not wanted pass through a ring of RING small buffers, a piece at a time, each
-    reused once its hashes are done; the others are read whole into one buffer, reused: memory stays at the
+    manifest's source hashes cost no second pass; hashing runs on a thread of its own (``hashing``), and writing
+    on another, while the next piece is read. Tensors in ``streamed`` (written exactly as they are stored) and
+    those not wanted pass through a ring of RING small buffers, a piece at a time, each reused once its hashes
+    and its write are done; the others are read whole into one buffer, reused: memory stays at the
     largest of those (``largest``), not at the largest tensor.
     """
 
     def __init__(self, largest: int, hashing: Hashing) -> None:
         self.largest = largest
         self.hashing = hashing
-        self.buffer = torch.empty(0, dtype=torch.uint8)  # allocated at the first tensor read whole
-        self.ring: list[torch.Tensor | None] = [None] * RING
-        self.fences: list = [None] * RING  # per ring buffer: the hashing work to finish before it is reused
+        self.buffer = bytearray()  # allocated at the first tensor read whole
+        self.ring: list[memoryview | None] = [None] * RING
+        self.fences: list = [()] * RING  # per ring buffer: the hashing and writing to finish before it is reused
         self.next = 0
         self.digests: dict[str, str] = {}  # file name -> hex digest (HASH), once the file was read to its end
 
@@ -323,18 +348,19 @@ class _Reader:
         try:
             with open(file, "rb", buffering=0) as f:
                 head = self._read(f, file, header.data_start, src)
-                if int.from_bytes(head[:8].numpy().tobytes(), "little") != header.data_start - 8:
+                if int.from_bytes(head[:8], "little") != header.data_start - 8:
                     raise ParityError(f"{file}: changed while it was read; convert again once nothing writes to it")
                 for name in file_order(header):
                     entry = header.tensors[name]
                     if name in wanted and name in streamed:
                         pieces = self._pieces(f, file, entry.end - entry.begin, src)
-                        yield name, Pieces(entry.shape, READ_DTYPES[entry.dtype], pieces)
+                        yield name, Pieces(entry.shape, entry.dtype, pieces)
                         for _ in pieces:  # whatever the consumer left is still read (and hashed)
                             pass
                     elif name in wanted:
                         raw = self._read(f, file, entry.end - entry.begin, src)
-                        yield name, raw.view(READ_DTYPES[entry.dtype]).reshape(entry.shape)
+                        x = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+                        yield name, x.view(getattr(torch, READ_DTYPES[entry.dtype])).reshape(entry.shape)
                     else:  # hashed, not kept
                         for _ in self._pieces(f, file, entry.end - entry.begin, src):
                             pass
@@ -346,36 +372,35 @@ class _Reader:
         finally:
             src.close()
 
-    def _read(self, f: BinaryIO, file: Path, nbytes: int, src: ContentHash) -> torch.Tensor:
+    def _read(self, f: BinaryIO, file: Path, nbytes: int, src: ContentHash) -> memoryview:
         """The next ``nbytes`` of ``f``, in the buffer; each piece goes to ``src`` as soon as it is in."""
         src.wait()  # the buffer is about to be overwritten (its output hash, if any, was waited for by the writer)
         if nbytes > len(self.buffer):
-            self.buffer = torch.empty(max(nbytes, self.largest), dtype=torch.uint8)  # pages count once touched
-        out = self.buffer[:nbytes]
-        view = memoryview(out.numpy())
+            self.buffer = bytearray(max(nbytes, self.largest))
+        view = memoryview(self.buffer)[:nbytes]
         for start in range(0, nbytes, READ_CHUNK):
             piece = view[start:start + READ_CHUNK]
             _fill(f, file, piece)
             src.update(piece)
-        return out
+        return view
 
     def _pieces(self, f: BinaryIO, file: Path, nbytes: int, src: ContentHash) -> Iterator[memoryview]:
         """The next ``nbytes`` of ``f``, READ_CHUNK at a time, each in the next buffer of the ring and fed to
         ``src``; a piece is valid until the next is asked for, and its buffer is reused only once everything
-        fed to the hashing thread by then (its source and output hashes) is done."""
+        fed to the hashing and writing threads by then (its source and output hashes, its write) is done."""
         for start in range(0, nbytes, READ_CHUNK):
             k, self.next = self.next, (self.next + 1) % RING
-            if self.fences[k] is not None:
-                self.fences[k].result()
-                self.fences[k] = None
+            for fence in self.fences[k]:
+                fence.result()
+            self.fences[k] = ()
             size = min(READ_CHUNK, nbytes - start)
             if self.ring[k] is None or len(self.ring[k]) < size:
-                self.ring[k] = torch.empty(READ_CHUNK, dtype=torch.uint8)
-            piece = memoryview(self.ring[k].numpy())[:size]
+                self.ring[k] = memoryview(bytearray(READ_CHUNK))
+            piece = self.ring[k][:size]
             _fill(f, file, piece)
             src.update(piece)
             yield piece
-            self.fences[k] = self.hashing.last
+            self.fences[k] = self.hashing.fence()
 
 
 def _fill(f: BinaryIO, file: Path, piece: memoryview) -> None:
@@ -389,14 +414,17 @@ def _fill(f: BinaryIO, file: Path, piece: memoryview) -> None:
         done += n
 
 
-def _as_stored(t: ResolvedTensor, shape: tuple[int, ...], dtype: torch.dtype,
-               finish: Callable[[str, torch.Tensor], torch.Tensor]) -> bool:
-    """Whether checkpoint tensor ``t`` becomes one neutral tensor of exactly its stored bytes (no fold, transpose,
-    split, RoPE permutation or cast by to_neutral, then ``finish``), so that it can be copied a piece at a time:
-    found by converting a tensor of its shape on the meta device, which changed nothing if it is returned."""
-    x = torch.empty(shape, dtype=dtype, device="meta")
-    out = list(to_neutral(t, x))
-    return len(out) == 1 and finish(*out[0]) is x
+def _as_stored(t: ResolvedTensor, stored: str, manifest: dict, source_style: str, style: str) -> bool:
+    """Whether checkpoint tensor ``t``, stored as ``stored`` (safetensors' code), becomes one neutral tensor of
+    exactly its stored bytes (to_neutral folds, transposes, splits or unstacks nothing, restyle_rope permutes
+    nothing, the manifest's dtype is its own), so that it can be copied a piece at a time."""
+    if t.norm_offset or t.transpose or t.unstack or t.split is not None or len(t.neutral) != 1:
+        return False
+    name = t.neutral[0]
+    if dtype_code(manifest["tensors"][name]["dtype"]) != stored:
+        return False
+    return not name.startswith("layers.") or not _restyles(name, manifest["layers"][int(name.split(".")[1])],
+                                                           source_style, style)
 
 
 def file_order(header: Header) -> list[str]:
@@ -420,6 +448,8 @@ def check_convertible(ckpt: Checkpoint) -> None:
                                        if wrong_dtype else "")
         raise ParityError(f"{ckpt.path}: tensors do not match the {ckpt.resolved.family} adapter: "
                           f"{problems.lstrip('; ')}")
+    if not check.buffers:  # nothing to check (and torch, which the check needs, not imported)
+        return
     from .buffers import check_buffers
 
     for b in check_buffers(ckpt, check):  # a head transformers unties would be tied in the neutral model
@@ -430,15 +460,20 @@ def check_convertible(ckpt: Checkpoint) -> None:
 def source_dtype(ckpt: Checkpoint, check) -> torch.dtype:
     """The checkpoint's one weight dtype (float32 when it mixes several). FP8 weights count as the dtype of the
     checkpoint's other tensors (bf16 in the released FP8 models)."""
+    return getattr(torch, source_dtype_name(ckpt, check))
+
+
+def source_dtype_name(ckpt: Checkpoint, check) -> str:
+    """source_dtype's name ("bfloat16")."""
     scaled = set(quantized_weights(ckpt.tensors)) if ckpt.quantization else set()
     found = {ckpt.tensors[n].dtype for n in stored_tensor_map(ckpt.resolved, check) if n not in scaled}
-    return SOURCE_DTYPES[found.pop()] if len(found) == 1 else torch.float32
+    return SOURCE_DTYPES[found.pop()] if len(found) == 1 else "float32"
 
 
 def _refuse(ckpt: Checkpoint, dtype: str | None, rope_style: str | None) -> None:
     """convert's options, checked before anything is written."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     if rope_style not in (None, "half", "interleaved"):
         raise ParityError(f"--rope-style {rope_style!r} is not one of half, interleaved")
     if ckpt.resolved["positions.kind"] != "rope" and rope_style:
@@ -455,8 +490,8 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
     check = ckpt.check()
     _refuse(ckpt, dtype, rope_style)
     tensor_map = stored_tensor_map(r, check)
-    deq = Dequantizer.of(ckpt)
-    target = DTYPES[dtype] if dtype else source_dtype(ckpt, check)
+    deq = _dequantizer(ckpt)
+    target = dtype or source_dtype_name(ckpt, check)
     errors: dict[str, float] = {}  # FP8 weight -> rel_l2 of its dequantization at the target dtype
     source_style = r["positions.rope_style"]
     style = rope_style or source_style
@@ -467,8 +502,7 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
     # planned in source order, so that each tensor is written as soon as the one pass has read it
     order = [n for f in ckpt.files for hf_name in file_order(headers[f]) if hf_name in tensor_map
              for n in tensor_map[hf_name].neutral]
-    outputs = [PlannedTensor(n, tuple(manifest["tensors"][n]["shape"]), getattr(torch, manifest["tensors"][n]["dtype"]))
-               for n in order]
+    outputs = [PlannedTensor(n, tuple(manifest["tensors"][n]["shape"]), manifest["tensors"][n]["dtype"]) for n in order]
     layer_of = lambda name: manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None  # noqa: E731
 
     def finish(name: str, y: torch.Tensor) -> torch.Tensor:
@@ -480,10 +514,10 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
 
     # tensors written exactly as stored are copied a piece at a time as they are read; the rest are read whole
     entries = {n: h.tensors[n] for h in headers.values() for n in h.tensors if n in tensor_map}
-    streamed = {n for n, e in entries.items() if not deq.quantized(n)
-                and _as_stored(tensor_map[n], e.shape, READ_DTYPES[e.dtype], finish)}
+    streamed = {n for n, e in entries.items() if not (deq and deq.quantized(n))
+                and _as_stored(tensor_map[n], e.dtype, manifest, source_style, style)}
     largest = max((e.end - e.begin for n, e in entries.items() if n not in streamed), default=0)
-    with atomic.output_dir(Path(out), force=force) as tmp, Hashing() as hashing:
+    with atomic.output_dir(Path(out), force=force) as tmp, Hashing(writes=True) as hashing:
         reader = _Reader(largest, hashing)
         shards = plan(outputs, tmp, max_shard_bytes)
         where = {t.name: s.path.name for s in shards for t in s.tensors}
@@ -497,9 +531,9 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
                 if isinstance(x, Pieces):  # written as stored, each piece as soon as it is read
                     neutral = [(tensor_map[hf_name].neutral[0], x)]
                 else:
-                    if deq.quantized(hf_name):  # in float32; written at the target dtype, whose rounding is measured
+                    if deq and deq.quantized(hf_name):  # in float32; written at the target dtype, its rounding measured
                         x = dequantize(x, deq.scale(hf_name), ckpt.quantization.block)
-                        errors[hf_name] = rounding_error(x, target)
+                        errors[hf_name] = rounding_error(x, getattr(torch, target))
                     neutral = ((name, finish(name, y)) for name, y in to_neutral(tensor_map[hf_name], x))
                 for name, y in neutral:
                     if written == len(shard.tensors):
@@ -524,7 +558,16 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
     return manifest
 
 
-def dequantization_summary(quantization, errors: dict[str, float], target: torch.dtype) -> dict:
+def _dequantizer(ckpt: Checkpoint):
+    """A parity.lazy.Dequantizer for a quantized checkpoint (it needs torch); None for the others."""
+    if ckpt.quantization is None:
+        return None
+    from .lazy import Dequantizer
+
+    return Dequantizer.of(ckpt)
+
+
+def dequantization_summary(quantization, errors: dict[str, float], target: str) -> dict:
     """What a converted FP8 checkpoint's manifest says of it: the quantization, and the error of writing the
     float32 dequantized weights at the target dtype (rel_l2; 0 at float32)."""
     worst = max(errors, key=errors.get) if errors and max(errors.values()) > 0 else None

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import ParityError
+
+if TYPE_CHECKING:  # imported where used: reading a config, or converting an unquantized checkpoint, needs no torch
+    import torch
 
 SCALE_SUFFIX = "_scale_inv"            # X.weight -> X.weight_scale_inv
 FP8_DTYPES = ("F8_E4M3",)             # stored weight dtypes that need their scale (fmt e4m3, all parity reads)
@@ -73,8 +74,12 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``weight * scale`` of each block, computed in float32 (float64 if asked) and cast to ``dtype`` once."""
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``weight * scale`` of each block, computed in float32 (float64 if asked) and cast to ``dtype`` (float32 if
+    None) once."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     rows, cols = weight.shape[-2:]
     b0, b1 = block
     if tuple(scale.shape) != scale_shape(tuple(weight.shape), block):
@@ -94,6 +99,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 def rounding_error(x: torch.Tensor, dtype: torch.dtype) -> float:
     """rel_l2 of the float32 dequantization ``x`` written at ``dtype`` (0 for float32: x is fp8 * scale correctly
     rounded, within 2 ** -24 of the exact product), a few thousand rows at a time in float32, summed in float64."""
+    import torch
+
     if dtype == torch.float32:
         return 0.0
     num = den = 0.0

@@ -7,7 +7,7 @@ naming it. safetensors' own ``save_file`` wants every tensor in memory at once; 
 must stay near the size of its largest tensor writes the format itself (``ShardWriter``).
 
 Content hashes (``HASH``, BLAKE3; manifests written before it record sha256, ``HASHES`` reads both) run on a
-thread of their own (``Hashing``) while files are read and written.
+thread of their own (``Hashing``) while files are read and written (a conversion writes on a third).
 """
 
 from __future__ import annotations
@@ -22,15 +22,19 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import blake3
-import torch
 
 from .errors import ParityError
 
-DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-               torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+if TYPE_CHECKING:
+    import torch
+
+# torch dtype names -> safetensors' codes. Dtypes are handled by name here, so that a conversion that copies every
+# tensor as stored never imports torch (its import and teardown cost more than hashing the bytes).
+CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64", "int32": "I32",
+         "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 # Every dtype safetensors defines, in bits per element (F4 and F6 pack several elements per byte).
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
@@ -42,8 +46,8 @@ METADATA = "__metadata__"
 # The content hash written into manifests. A conversion hashes every byte twice (what it reads, what it
 # writes): BLAKE3 ran at 4.6-6.7 GB/s on one core of the README's VM, where sha256 (with SHA-NI) ran at 1.8.
 # Manifests written before record sha256, which still verifies. A conversion hashes on one thread beside
-# the one that reads and writes (which is the slower); spreading each update over the cores as well (AUTO)
-# cost more CPU for no shorter conversion. Verifying a file, with nothing else to do, uses them all.
+# the one that reads and the one that writes; spreading each update over the cores as well (AUTO) cost more
+# CPU for no shorter conversion. Verifying a file, with nothing else to do, uses them all.
 HASH = "blake3"
 HASHES: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
 # Bytes per write(). Writes into the page cache cost more system time per byte in large calls than in small
@@ -66,6 +70,25 @@ class Header:
     tensors: dict[str, HeaderEntry]
     metadata: dict[str, str]
     data_start: int
+
+
+def dtype_code(dtype: Any) -> str:
+    """safetensors' code for a torch dtype, its name ("bfloat16") or a code itself ("BF16")."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name in DTYPE_BITS:
+        return name
+    if name not in CODES:
+        raise ValueError(f"no safetensors dtype for {dtype!r}")
+    return CODES[name]
+
+
+def __getattr__(name: str) -> Any:
+    """DTYPE_NAMES (torch dtype -> code), made when first asked for: it needs torch."""
+    if name == "DTYPE_NAMES":
+        import torch
+
+        return {getattr(torch, n): code for n, code in CODES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def read_header(path: Path, fix: str = "write it again with safetensors") -> Header:
@@ -167,11 +190,11 @@ def _count(x: Any) -> bool:
 class PlannedTensor:
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: Any  # a torch dtype, its name or its safetensors code
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
+        n = DTYPE_BITS[dtype_code(self.dtype)] // 8
         for s in self.shape:
             n *= s
         return n
@@ -207,25 +230,28 @@ def plan(tensors: list[PlannedTensor], directory: Path, max_shard_bytes: int) ->
 class Pieces:
     """A tensor's bytes as they are read, a piece at a time, for one written exactly as it is stored (it needs no
     buffer of its size). A piece is valid until the next is asked for: its reader reuses the buffer once what
-    was fed to their shared Hashing by then is done (``Hashing.last``), so the writer must hash on it too."""
+    was fed to their shared Hashing by then is done (``Hashing.fence``), so the writer must hash and write on it
+    too."""
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: Any  # as PlannedTensor's
     pieces: Iterable[memoryview]
 
 
 class ShardWriter:
     """Writes one planned shard; ``write`` must be called in plan order. Hashes (``HASH``) as it goes, on
-    ``hashing``'s thread (one of its own if none is given)."""
+    ``hashing``'s thread (one of its own if none is given), and writes on its writing thread if it has one."""
 
     def __init__(self, shard: Shard, metadata: dict[str, str] | None = None, hashing: Hashing | None = None):
         self.shard = shard
         self.expected = iter(shard.tensors)
         self.hash = ContentHash(HASH, hashing)
+        self._hashing = hashing
+        self._writes: deque[Future] = deque()  # on the writing thread, not yet seen to finish
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         for t in shard.tensors:
-            header[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+            header[t.name] = {"dtype": dtype_code(t.dtype), "shape": list(t.shape),
                               "data_offsets": [offset, offset + t.nbytes]}
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -234,18 +260,37 @@ class ShardWriter:
         self._put(memoryview(struct.pack("<Q", len(raw)) + raw))  # bytes: nothing reuses them
 
     def _put(self, data: memoryview) -> None:
-        """Hash ``data`` (on the hashing thread) and write it, WRITE_CHUNK bytes per call."""
+        """Hash ``data`` (on the hashing thread) and write it (on the writing thread, if there is one)."""
         self.hash.update(data)
+        if self._hashing is None or not self._hashing.writes:
+            self._write(data)
+            return
+        while self._writes and self._writes[0].done():
+            self._writes.popleft().result()  # a failed write raises here
+        self._writes.append(self._hashing.write(self._write, data))
+
+    def _drain(self) -> None:
+        """Wait for the writes handed to the writing thread."""
+        while self._writes:
+            self._writes.popleft().result()
+
+    def _write(self, data: memoryview) -> None:
+        """Write ``data``, WRITE_CHUNK bytes per call (perhaps on the writing thread: an error names the file,
+        wherever it is raised)."""
         write = self.file.write
-        for start in range(0, len(data), WRITE_CHUNK):
-            piece = data[start:start + WRITE_CHUNK]
-            done = write(piece)
-            while done < len(piece):  # a raw write may be short
-                done += write(piece[done:])
+        try:
+            for start in range(0, len(data), WRITE_CHUNK):
+                piece = data[start:start + WRITE_CHUNK]
+                done = write(piece)
+                while done < len(piece):  # a raw write may be short
+                    done += write(piece[done:])
+        except OSError as exc:
+            raise ParityError(f"{self.shard.path}: cannot be written ({exc.strerror or exc})") from None
 
     def write(self, name: str, tensor: torch.Tensor | Pieces) -> None:
         planned = next(self.expected)
-        if (planned.name, planned.shape, planned.dtype) != (name, tuple(tensor.shape), tensor.dtype):
+        if (planned.name, planned.shape, dtype_code(planned.dtype)) != (name, tuple(tensor.shape),
+                                                                        dtype_code(tensor.dtype)):
             raise RuntimeError(f"shard writer: got {name} {tuple(tensor.shape)} {tensor.dtype}, planned "
                                f"{planned.name} {planned.shape} {planned.dtype}")
         if isinstance(tensor, Pieces):  # hashed as each piece is written; the reader waits before reusing it
@@ -256,14 +301,20 @@ class ShardWriter:
             if total != planned.nbytes:
                 raise RuntimeError(f"shard writer: {name} came as {total} bytes, planned {planned.nbytes}")
             return
+        import torch  # a tensor was given: torch is imported already
+
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         self._put(memoryview(flat.numpy()))
         self.hash.wait()  # the caller may reuse the tensor's memory once write returns
+        self._drain()
 
     def close(self) -> str:
         """Finish the file; returns its hash (``HASH``, hex)."""
         leftover = next(self.expected, None)
-        self.file.close()
+        try:
+            self._drain()
+        finally:
+            self.file.close()
         digest = self.hash.hexdigest()
         if leftover is not None:
             raise RuntimeError(f"shard writer: {leftover.name} was planned but never written")
@@ -271,21 +322,39 @@ class ShardWriter:
 
 
 class Hashing:
-    """One thread on which hashes run, in the order they are fed, while the caller reads and writes (blake3 and
-    hashlib release the GIL on large updates). One for all of a conversion's hashes, so that ``last`` tells when
-    everything fed so far is done: a buffer fed to it before may then be reused."""
+    """One thread on which hashes run, in the order they are fed, while the caller reads (blake3 and hashlib, and
+    writes, release the GIL); with ``writes``, a second on which ShardWriters write, in order, so that reading,
+    hashing and writing a piece each take a core where there are several. One for all of a conversion's work, so
+    that ``fence`` tells when everything fed so far is done: a buffer fed to it before may then be reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, writes: bool = False) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parity-hash")
-        self.last: Future | None = None  # the latest work submitted
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parity-write") if writes else None
+        self.last: Future | None = None  # the latest hash submitted
+        self._last_write: Future | None = None
+
+    @property
+    def writes(self) -> bool:
+        return self._writer is not None
 
     def submit(self, fn: Callable, data) -> Future:
         self.last = self._pool.submit(fn, data)
         return self.last
 
+    def write(self, fn: Callable, data) -> Future:
+        """Run ``fn(data)`` on the writing thread (``writes`` only)."""
+        self._last_write = self._writer.submit(fn, data)
+        return self._last_write
+
+    def fence(self) -> tuple[Future, ...]:
+        """The latest hash and write submitted: once both are done, so is everything fed before them."""
+        return tuple(f for f in (self.last, self._last_write) if f is not None)
+
     def close(self) -> None:
-        """End the thread (after an error too: what is queued is dropped; closing twice is harmless)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """End the threads (after an error too: what is queued is dropped; closing twice is harmless)."""
+        for pool in (self._pool, self._writer):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Hashing:
         return self
