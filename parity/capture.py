@@ -17,18 +17,34 @@ from .adapter import ResolvedCapture
 from .errors import ParityError
 
 
-def input_value(module: torch.nn.Module, arg: str | int | None, args: tuple, kwargs: dict) -> Any:
+def _where(module: torch.nn.Module, arg: str | int | None, args: tuple, kwargs: dict) -> str | int:
+    """Where a forward's argument ``arg`` (a name or a position; None: the first) was given: its keyword, or its
+    position in ``args``."""
     params = [p for p in inspect.signature(module.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if arg is None:
         arg = 0
     name = arg if isinstance(arg, str) else params[arg].name
     if name in kwargs:
-        return kwargs[name]
+        return name
     position = next((k for k, p in enumerate(params) if p.name == name), None)
     if position is not None and position < len(args):
-        return args[position]
+        return position
     raise ParityError(f"capture: {type(module).__name__}.forward was not given {name!r}")
+
+
+def input_value(module: torch.nn.Module, arg: str | int | None, args: tuple, kwargs: dict) -> Any:
+    at = _where(module, arg, args, kwargs)
+    return kwargs[at] if isinstance(at, str) else args[at]
+
+
+def with_input(module: torch.nn.Module, arg: str | int | None, args: tuple, kwargs: dict,
+               value: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) with the argument ``input_value`` reads replaced by ``value`` (a pre-hook's return)."""
+    at = _where(module, arg, args, kwargs)
+    if isinstance(at, str):
+        return args, {**kwargs, at: value}
+    return (*args[:at], value, *args[at + 1:]), kwargs
 
 
 def _output_value(output: Any, field: str | int | None) -> Any:

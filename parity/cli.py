@@ -177,10 +177,14 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
                    "by gguf-py; the others by llama.cpp's own quantizer (llama-cpp-python: pip install "
                    "'parity[llama]'), with its per-tensor mix and its fallbacks for rows that do not fit the "
                    "type's block (256 columns for the K-quants); the types each tensor got are printed.")
+@click.option("--onnx-quant", type=click.Choice(["int8-dynamic", "qdq", "int4"]), default=None,
+              help="onnx: quantize the float32 export with onnxruntime's own tools: int8-dynamic (quantize_dynamic), "
+                   "qdq (quantize_static, QDQ, calibrated on the default prompt), int4 (MatMulNBits, blocks of 32); "
+                   "check it with parity check --same-weights.")
 @click.option("--force", is_flag=True, help="Replace the output if it exists.")
 @adapters_option
 def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, kv_cache, inject, gguf_type, force,
-                adapter_dirs):
+                adapter_dirs, onnx_quant=None):
     """Rewrite a checkpoint into the neutral layout (manifest.json + model.safetensors), or export it to ONNX.
 
     The manifest states every convention as an explicit value (norm kind, eps, placement,
@@ -201,6 +205,8 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
       parity convert ./gemma-2-9b --to neutral -o ./gemma-2-9b.neutral --dtype bfloat16
       parity convert ./gemma-2-9b --to onnx -o gemma-2-9b.onnx --dtype float16 --debug-outputs
     """
+    if onnx_quant and target != "onnx":
+        raise ParityError(f"--onnx-quant quantizes an ONNX export; it needs --to onnx (not --to {target})")
     if target == "gguf":
         from .gguf_export import export as to_gguf
 
@@ -216,6 +222,15 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
 
         if rope_style:
             raise ParityError("--rope-style applies to --to neutral; an ONNX graph rotates as the checkpoint stores")
+        if onnx_quant:
+            from .onnx_quantize import quantize
+
+            done = quantize(model_dir, out, onnx_quant, dtype=dtype, debug_outputs=debug_outputs, opset=opset,
+                            force=force, adapter_dirs=adapter_dirs, inject=inject, kv_cache=kv_cache)
+            ops = ", ".join(f"{n} {op}" for op, n in done["quantized"]["ops"].items())
+            click.echo(f"wrote {out}: {onnx_quant} by onnxruntime, {done['manifest']['source']['family']}, "
+                       f"{len(done['outputs'])} output(s); {ops}")
+            return
         done = export(model_dir, out, dtype=dtype, debug_outputs=debug_outputs, opset=opset, force=force,
                       adapter_dirs=adapter_dirs, inject=inject, kv_cache=kv_cache)
         click.echo(f"wrote {out}: {done['dtype']}, {done['manifest']['source']['family']}, "
@@ -304,7 +319,8 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="The candidate's dtype; the reference runs in float32.")
 @input_options
-@click.option("--isolate", is_flag=True, help="Feed each candidate layer the reference's input for that layer.")
+@click.option("--isolate", is_flag=True, help="Feed each candidate layer the reference's input for that layer (a "
+              "candidate that cannot be fed, GGUF, ONNX or a dump: each reference layer the candidate's input).")
 @click.option("--calibrate", is_flag=True, help="Set tolerances to a multiple of each point's own precision noise.")
 @click.option("--tolerance", multiple=True, metavar="SPEC",
               help="'GLOB:rel_l2=1e-3' or a TOML file ([default], [points.\"GLOB\"]); repeatable, the last match wins.")

@@ -46,12 +46,19 @@ MINS_FILE = "parity-arithmetic.safetensors"
 OUTPUT = "@output"   # the model's output embeddings (a tied lm_head: llama.cpp multiplies by token_embd)
 
 
+def _over(c: float, t: torch.Tensor) -> torch.Tensor:
+    """``c / t`` correctly rounded, as C's float division: torch's ``c / t`` for a Python number ``c`` computes
+    ``c * (1 / t)``, off by an ulp for about a quarter of values, which moves ggml's exact ties (a Q8_0 value
+    of 63.5 in blocks of lattice values, such as embeddings read from a Q4_0 table) across the rounding."""
+    return torch.div(torch.full_like(t, c), t)
+
+
 def _q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Blocks of 32 as quantize_row_q8_0 makes them: (dequantized, q, the f16 scale, the float32 scale)."""
     b = x.reshape(-1, 32)
     amax = b.abs().amax(-1, keepdim=True)
     d = amax / 127.0
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inverse = torch.where(amax > 0, _over(127.0, amax), torch.zeros_like(amax))
     q = torch.round(b * inverse)  # round half to even, as _mm256_round_ps(_MM_ROUND_NEAREST)
     d16 = d.half().float()
     return (d16 * q).reshape(x.shape), q, d16, d
@@ -62,9 +69,9 @@ def _q8_k(x: torch.Tensor) -> torch.Tensor:
     b = x.reshape(-1, 256)
     amax, where = b.abs().max(-1, keepdim=True)
     signed = b.gather(-1, where)  # the first value of largest magnitude, with its sign
-    iscale = torch.where(amax > 0, -127.0 / signed, torch.zeros_like(signed))
+    iscale = torch.where(amax > 0, _over(-127.0, signed), torch.zeros_like(signed))
     q = torch.clamp(torch.round(b * iscale), max=127.0)
-    d = torch.where(amax > 0, 1.0 / iscale, torch.zeros_like(iscale))
+    d = torch.where(amax > 0, _over(1.0, iscale), torch.zeros_like(iscale))
     return (d * q).reshape(x.shape)
 
 
@@ -145,6 +152,10 @@ class Arithmetic:
         if not found.is_file():
             return None
         data = json.loads(found.read_text())
+        if str(data.get("engine", "")).startswith("onnxruntime"):  # an ONNX file quantized by onnxruntime
+            from .ort_arithmetic import OrtArithmetic
+
+            return OrtArithmetic.from_json(data)
         mins = load_file(str(Path(path) / MINS_FILE)) if (Path(path) / MINS_FILE).is_file() else {}
         return Arithmetic(dict(data["matmuls"]), mins, bool(data["gelu_table"]), data["engine"])
 

@@ -62,7 +62,7 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     r = ckpt.resolved
     check = ckpt.check()
     manifest = build_manifest(ckpt, torch.float32, spec.rope_style, check.prefix, hashes=False)
-    by_neutral = _by_neutral(stored_tensor_map(r, check))
+    by_neutral = neutral_map(stored_tensor_map(r, check))
     source_style = r["positions.rope_style"]
     out_tensors, types, wrong = {}, {}, {}
     arithmetic = Arithmetic(gelu_table=r["mlp.activation"] == "gelu_tanh")
@@ -114,23 +114,23 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
         mins = block_mins(embd.data, kind)
         if mins is not None:
             arithmetic.mins[OUTPUT] = mins
-    _write(ckpt, Path(out), out_tensors, arithmetic, untie="output.weight" in names)
+    write_reference(ckpt, Path(out), out_tensors, arithmetic, untie="output.weight" in names)
     return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong,
             "bands": {kind: band(kind) for kind in sorted(types)}}
 
 
-def _by_neutral(stored: dict) -> dict:
+def neutral_map(stored: dict, source: str = "GGUF") -> dict:
     """neutral name -> (checkpoint name, its resolved tensor), for tensors that map one to one."""
     by_neutral = {}
     for hf_name, t in stored.items():
         if len(t.neutral) != 1 or t.transpose or t.unstack or t.split is not None:
             raise ParityError(f"--same-weights: {hf_name} is split, fused or transposed on its way to the neutral "
-                              f"layout; reading it back from GGUF is not supported")
+                              f"layout; reading it back from {source} is not supported")
         by_neutral[t.neutral[0]] = (hf_name, t)
     return by_neutral
 
 
-def _write(ckpt, out: Path, tensors: dict[str, torch.Tensor], arithmetic: Arithmetic, untie: bool) -> None:
+def write_reference(ckpt, out: Path, tensors: dict[str, torch.Tensor], arithmetic, untie: bool) -> None:
     """The reference directory: the tensors, the arithmetic, the checkpoint's config (untied where the file stores
     the output matrix apart, quantized otherwise than token_embd: llama.cpp multiplies by it) and tokenizer."""
     from safetensors.torch import save_file

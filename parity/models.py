@@ -21,7 +21,8 @@ from .inputs import available_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Emit = Callable[[str, torch.Tensor], None]
-Feed = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index, its input) -> the input to use
+# (layer index, its input) -> the input to use; or (a point inside a layer that is a module's input, fed_points)
+Feed = Callable[[int | str, torch.Tensor], torch.Tensor]
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,6 +161,30 @@ def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
             return args, {**kwargs, key: new}
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles + _sublayer_hooks(model, ckpt, feed)
+
+
+def fed_points(ckpt: Checkpoint) -> list[str]:
+    """The points inside a layer that a reference following its candidate is fed too (Plan.follows): each
+    MLP's input, where the adapter reads it as the MLP module's input, so that the MLP restarts from the
+    candidate's input as each layer does (the attention before it, in the same layer, cannot cascade into it)."""
+    return [c.name for c in ckpt.resolved.capture if c.name.endswith(".mlp_in") and c.io == "input"]
+
+
+def _sublayer_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
+    """Pre-hooks that replace each fed point's module input by ``feed(point, input)``: registered after the
+    capture hooks, so the point is reported as the model computed it, then replaced."""
+    from .capture import input_value, with_input
+
+    handles, fed = [], set(fed_points(ckpt))
+    for c in ckpt.resolved.capture:
+        if c.name not in fed:
+            continue
+
+        def pre(mod, args, kwargs, c=c):
+            return with_input(mod, c.arg, args, kwargs, feed(c.name, input_value(mod, c.arg, args, kwargs)))
+
+        handles.append(model.get_submodule(c.module).register_forward_pre_hook(pre, with_kwargs=True))
     return handles
 
 
@@ -291,7 +316,8 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
         from .ggml import emulate
 
         # capture hooks first: a layer's input is reported as computed, then replaced when isolating
-        with hooks(model, capture, emit), emulate(model, arithmetic), torch.no_grad():
+        engine = arithmetic.emulate(model) if hasattr(arithmetic, "emulate") else emulate(model, arithmetic)
+        with hooks(model, capture, emit), engine, torch.no_grad():
             handles = _isolation_hooks(model, ckpt, feed) if feed is not None else []
             if on_layer is not None:
                 for i in range(ckpt.resolved.num_layers):

@@ -202,7 +202,16 @@ def _headers(report: Report) -> list[str]:
 def _title(report: Report) -> str:
     ref, cand = report.reference, report.candidate
     return (f"parity {report.family}: {cand.get('kind', '?')} {cand.get('path', '')} vs "
-            f"{ref.get('kind', '?')} {ref.get('path', '')} ({report.dtype}, {report.mode})")
+            f"{ref.get('kind', '?')} {ref.get('path', '')} ({report.dtype}, {_mode(report)})")
+
+
+def _mode(report: Report) -> str:
+    """The mode in words: a newcomer does not know what "free" means."""
+    if report.mode != "isolated":
+        return "each side runs on its own outputs"
+    if report.reference.get("fed"):
+        return "isolated: each reference layer takes the candidate's input to it"
+    return "isolated: each candidate layer takes the reference's input to it"
 
 
 def _extras(report: Report) -> list[tuple[str, list[str]]]:

@@ -551,6 +551,9 @@ BAD_INPUTS: list[Case] = [
         t, _slices(t, b, "0:1") + _slices(t, b, "1:2", dtype="bfloat16")), "dtype 'bfloat16' differs"),
     Case("report merge of a file that is not a report", lambda t, b: merge(
         t, [write(t / "x.json", b'{"verdict": "pass"}')]), "not a parity report"),
+    Case("convert --onnx-quant with --to gguf",
+         lambda t, b: ["convert", str(b.checkpoint), "--to", "gguf", "-o", str(t / "m.gguf"), "--onnx-quant", "qdq"],
+         "--onnx-quant quantizes an ONNX export; it needs --to onnx"),
 ]
 
 

@@ -112,7 +112,7 @@ def test_malformed_dumps_are_refused_with_one_line(llama, tmp_path):
         ("noids.safetensors", [], "no 'input_ids' in the metadata"),
         ("names.safetensors", [], "not named by a capture point of this llama model: layer.0.out, layers.7.out"),
         ("badids.safetensors", [], "is not a JSON list of token ids"),
-        ("dump.safetensors", ["--isolate"], "cannot be fed the reference's layer inputs; drop --isolate"),
+        ("dump.safetensors", ["--isolate"], "a golden cannot be fed the candidate's; drop --isolate"),
     ]
     for name, extra, message in cases:
         result = check("--reference", llama["golden"], "--candidate", tmp_path / name, "--layerwise", *extra)

@@ -17,12 +17,13 @@ pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
 
 GGUF_FAMILIES = sorted(f for f, a in ADAPTERS.items() if a.spec.gguf is not None)
-# the capture points llama.cpp's graph does not name, per architecture: attention's output (named by llama's model
-# code only; the input embeddings are "embd", Gemma's scaled ones "inp_scaled"); gemma2's MLP output is named, without
-# a layer index ("ffn_post_norm"), and read as the layer of the tensor before it
-NOT_NAMED = {"llama": set(), "qwen2": {"attn_out"}, "qwen3": {"attn_out"},
-             "gemma": {"attn_out"}, "gemma2": set(), "gemma3": set(),
-             "olmo2": {"attn_in", "mlp_in"}}  # OLMo 2 has no pre-norms, whose outputs these would be
+# the capture points llama.cpp's graph does not hold, per architecture: OLMo 2 has no pre-norms, whose outputs
+# these would be. Attention's output, named by llama's model code only, is read elsewhere as the tensor computed
+# from blk.N.attn_output.weight (parity.candidates.gguf.CONSUMERS); the input embeddings are "embd", Gemma's
+# scaled ones "inp_scaled"; gemma2's MLP output is named without a layer index ("ffn_post_norm") and read as the
+# layer of the tensor before it
+NOT_NAMED = {"llama": set(), "qwen2": set(), "qwen3": set(), "gemma": set(), "gemma2": set(), "gemma3": set(),
+             "olmo2": {"attn_in", "mlp_in"}}
 # llama.cpp's CPU GELU reads an f16 table (ggml-cpu vec.h, GGML_GELU_FP16): a GELU MLP's output differs by
 # rel_l2 ~3e-4 from the exact function (measured on the tiny Gemma: 3.0e-4 at layers.0.mlp_out, 5.0e-4 at most),
 # an engine approximation, not a port mistake; those families are judged at 1e-3.
@@ -118,9 +119,9 @@ def test_a_family_without_gguf_export_is_refused(tmp_path, tiny_dir):
 # in llama.cpp's graph: the residual after it), norm mistakes in the first norm's output
 TWINS = [("llama", "rope-permuted", "layers.0.attn_out"), ("llama", "rope-theta-wrong", "layers.0.attn_out"),
          ("llama", "norm-eps-wrong", "layers.0.attn_in"), ("llama", "norm-offset-added", "layers.0.attn_in"),
-         ("qwen2", "rope-permuted", "layers.0.mid"), ("qwen3", "rope-theta-wrong", "layers.0.mid"),
+         ("qwen2", "rope-permuted", "layers.0.attn_out"), ("qwen3", "rope-theta-wrong", "layers.0.attn_out"),
          ("qwen3", "norm-eps-wrong", "layers.0.attn_in"), ("gemma", "norm-offset-dropped", "layers.0.attn_in"),
-         ("gemma", "rope-permuted", "layers.0.mid"), ("gemma2", "norm-offset-dropped", "layers.0.attn_in"),
+         ("gemma", "rope-permuted", "layers.0.attn_out"), ("gemma2", "norm-offset-dropped", "layers.0.attn_in"),
          ("gemma3", "rope-theta-wrong", "layers.0.attn_out"), ("olmo2", "norm-eps-wrong", "layers.0.attn_out"),
          ("olmo2", "rope-permuted", "layers.0.attn_out")]
 

@@ -89,11 +89,24 @@ def test_the_real_file_passes_against_the_emulating_reference(prompt, tmp_path):
     assert report["logits"]["against_plain"]["top1_agreement"] > 0.9
 
 
+def test_isolated_every_point_is_5x_closer_to_the_emulating_reference(tmp_path):
+    """--isolate: each reference layer (and MLP) restarts from llama.cpp's input to it, so no rounding boundary
+    crossed earlier cascades: every point is at least 5x closer to the emulating reference than to the plain one
+    (README: 26.7x at worst, layers.0.mid; logits KL 5e-13 against 2.5e-4)."""
+    result, report = _check(REAL / "model.gguf", tmp_path / "r.json", "--isolate")
+    assert result.exit_code == 0, result.output
+    apart = [p for p in report["points"] if p["compared"] and p["rel_l2_plain"] > 1e-5]
+    assert len(apart) > 24 * 4
+    worst = min(apart, key=lambda p: p["rel_l2_plain"] / p["rel_l2"])
+    assert worst["rel_l2_plain"] > 5 * worst["rel_l2"], worst
+    assert report["logits"]["kl_mean"] < 1e-3 * report["logits"]["against_plain"]["kl_mean"]
+
+
 # twin -> (the first failing point, the diagnosis, or None where no catalogued mistake reproduces it)
 TWINS = {"norms-shifted": ("layers.0.attn_in", "norm-offset-added"),
-         "qk-permuted": ("layers.0.mid", None),
-         "qkv-bias-dropped": ("layers.0.mid", "qkv-bias-dropped"),
-         "freq-base-wrong": ("layers.0.mid", "rope-theta-wrong")}
+         "qk-permuted": ("layers.0.attn_out", None),
+         "qkv-bias-dropped": ("layers.0.attn_out", "qkv-bias-dropped"),
+         "freq-base-wrong": ("layers.0.attn_out", "rope-theta-wrong")}
 
 
 @pytest.mark.parametrize("mistake", sorted(TWINS))

@@ -35,8 +35,18 @@ POINTS = {
     "result_norm": "final_norm",
     "result_output": "logits",
 }
+# the points some architectures' graphs leave unnamed (qwen2, qwen3 and gemma name no attention output): the
+# tensor computed from the weight, which the graph names as the file does; a bias's sum, where the file has one,
+# replaces its matmul. A point the graph names is read there instead (gemma2's post-norm, llama's attn_out).
+CONSUMERS = {
+    "blk.{i}.attn_output.weight": "layers.{i}.attn_out",
+    "blk.{i}.attn_output.bias": "layers.{i}.attn_out",
+}
 _GGML_F32, _GGML_F16 = 0, 1
 _NE_OFFSET = 16  # struct ggml_tensor: enum ggml_type type; (padding); ggml_backend_buffer * buffer; int64_t ne[4]
+# ... size_t nb[4]; enum ggml_op op; int32_t op_params[16]; int32_t flags; ggml_tensor * src[10]; view_src;
+# view_offs; data; char name[64]: src[] sits 104 bytes before the name (checked against ggml_get_name)
+_SRC_BEFORE_NAME, _N_SRC = 104, 2
 _LOCK = threading.Lock()  # one llama.cpp run at a time: its logging and backend state are process-wide
 
 
@@ -64,6 +74,7 @@ def _ggml():
     lib = ctypes.CDLL(str(found[0]))
     lib.ggml_get_name.restype = ctypes.c_char_p
     lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.name_at = ctypes.cast(lib.ggml_get_name, ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p))
     lib.ggml_nbytes.restype = ctypes.c_size_t
     lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
     lib.ggml_is_contiguous.restype = ctypes.c_bool
@@ -84,6 +95,32 @@ def _read(lib, t: int) -> torch.Tensor | None:
         return None
     lib.ggml_backend_tensor_get(t, out.data_ptr(), 0, lib.ggml_nbytes(t))
     return out.float()
+
+
+def _layout_known(lib) -> bool:
+    """Whether struct ggml_tensor is laid out as _SRC_BEFORE_NAME assumes: a tensor made here, named, whose
+    src[0] is set through ggml's own API, reads back from that offset (else no point is read by a weight's use)."""
+    try:
+        class Params(ctypes.Structure):  # struct ggml_init_params, passed by value
+            _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+        lib.ggml_init.restype = ctypes.c_void_p
+        lib.ggml_init.argtypes = [Params]
+        lib.ggml_new_tensor_1d.restype = lib.ggml_add.restype = ctypes.c_void_p
+        lib.ggml_new_tensor_1d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+        lib.ggml_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.ggml_free.argtypes = [ctypes.c_void_p]
+        ctx = lib.ggml_init(Params(1 << 16, None, True))
+        try:
+            a = lib.ggml_new_tensor_1d(ctx, _GGML_F32, 4)
+            b = lib.ggml_new_tensor_1d(ctx, _GGML_F32, 4)
+            c = lib.ggml_add(ctx, a, b)
+            src = (ctypes.c_void_p * 2).from_address(lib.name_at(c) - _SRC_BEFORE_NAME)
+            return src[0] == a and src[1] == b
+        finally:
+            lib.ggml_free(ctx)
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 class GGUFRun:
@@ -111,7 +148,9 @@ class GGUFRun:
                               f"or an architecture, tensor or setting this llama.cpp does not know")
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.captured: dict[str, torch.Tensor] = {}
+        self.by_use: set[str] = set()  # captured points read from a weight's use (CONSUMERS), not by name
         self.layer: int | None = None
+        self.src_ok = _layout_known(self.lib)
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = max(n_tokens, 16)
@@ -133,13 +172,34 @@ class GGUFRun:
         if indexed:  # the graph is walked in order: an unindexed name belongs to the layer of the last indexed one
             self.layer = int(indexed.group(1))
         point = _point(name, self.points, self.layer)
+        consumed = None if point is not None else self._consumer(t)
         if ask:
-            return point is not None
-        if point is not None and point not in self.captured:  # the first "ffn_out" is the MLP's output
+            return point is not None or consumed is not None
+        # the first "ffn_out" is the MLP's output; a point the graph names replaces one read from a weight's use
+        if (point is not None and (point not in self.captured or point in self.by_use)) or (
+                consumed is not None and (consumed not in self.captured or consumed in self.by_use)):
             x = _read(self.lib, t)
             if x is not None:
-                self.captured[point] = x.reshape(-1, x.shape[-1]).unsqueeze(0).clone()
+                self.captured[point or consumed] = x.reshape(-1, x.shape[-1]).unsqueeze(0).clone()
+                if point is not None:
+                    self.by_use.discard(point)
+                else:
+                    self.by_use.add(consumed)
         return True
+
+    def _consumer(self, t) -> str | None:
+        """The point (CONSUMERS) a tensor computed from one of the file's named weights is, else None."""
+        if not self.src_ok:
+            return None
+        sources = (ctypes.c_void_p * _N_SRC).from_address(self.lib.name_at(t) - _SRC_BEFORE_NAME)
+        for src in sources:
+            if not src:
+                continue
+            m = re.fullmatch(r"blk\.(\d+)\.(.+)", (self.lib.ggml_get_name(src) or b"").decode(errors="replace"))
+            point = CONSUMERS.get(f"blk.{{i}}.{m.group(2)}") if m else None
+            if point is not None:
+                return point.replace("{i}", m.group(1))
+        return None
 
     def run(self, ids: list[int], start: int = 0) -> dict[str, torch.Tensor]:
         """Run ``ids`` at positions ``start``, ``start + 1``, ...: the prompt (start 0), or a decode step after
@@ -155,7 +215,7 @@ class GGUFRun:
                 batch.seq_id[k][0] = 0
                 batch.logits[k] = True
             batch.n_tokens = n
-            self.captured, self.layer = {}, None
+            self.captured, self.by_use, self.layer = {}, set(), None
             if llama_cpp.llama_decode(self.ctx, batch) != 0:
                 raise ParityError(f"llama.cpp failed to decode {'the prompt' if start == 0 else f'position {start}'}")
             if "logits" not in self.captured:

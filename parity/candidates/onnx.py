@@ -331,6 +331,25 @@ def _shorten(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
+def describe(path: Path) -> dict:
+    """What the report's candidate entry adds: the weights by how the graph stores them (parity.onnx_weights)."""
+    from ..onnx_weights import tensor_types
+
+    file = onnx_file(Path(path))
+    return {"tensor_types": tensor_types(file)} if file is not None else {}
+
+
+def same_weights(ckpt, path: Path, out: Path) -> dict:
+    """--same-weights: the graph's own weights (dequantized where onnxruntime quantized them), and onnxruntime's
+    arithmetic, as a reference (parity.onnx_weights)."""
+    from ..onnx_weights import read_back
+
+    file = onnx_file(Path(path))
+    if file is None:
+        raise ParityError(f"--same-weights: {path} is not an .onnx file")
+    return read_back(ckpt, file, Path(out))
+
+
 def make_runner(candidate, ids: torch.Tensor, feed):
     """Run the ONNX graph once and emit every capture point that could be matched."""
     from ..names import compared_points

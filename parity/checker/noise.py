@@ -36,7 +36,7 @@ class LayerInputs:
         self.closed = False
         self.ready = threading.Condition()
 
-    def put(self, i: int, x: torch.Tensor) -> None:
+    def put(self, i: int, x: torch.Tensor | None) -> None:  # None: the layer takes its own input
         with self.ready:
             self.values[i] = x
             self.ready.notify_all()
@@ -109,9 +109,10 @@ class EngineTwin(Twin):
     it); the candidate's distance to it is reported beside its distance to the emulating one, calibrated or not."""
 
     def __init__(self, models: Models, ckpt: Checkpoint, ids: torch.Tensor, points: set[str], *, calibrated: bool,
-                 on_layer: Callable[[int], None] | None = None, last: int | None = None):
-        super().__init__(models, ckpt, torch.float32, ids, points, role="calibration", label="engine arithmetic",
-                         on_layer=on_layer, last=last)
+                 on_layer: Callable[[int], None] | None = None, last: int | None = None,
+                 fed: set[int] = frozenset()):
+        super().__init__(models, ckpt, torch.float32, ids, points, fed=fed, role="calibration",
+                         label="engine arithmetic", on_layer=on_layer, last=last)
         self.calibrated = calibrated
         self.scale = (ENGINE_MULTIPLE, "the engine's rounding")
         self.seen: torch.Tensor | None = None

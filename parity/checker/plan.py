@@ -98,6 +98,13 @@ class Plan:
     def kind(self) -> Kind:
         return self.candidate.kind
 
+    @property
+    def follows(self) -> bool:
+        """--isolate on a candidate that cannot be fed (an engine runs its graph whole): each layer of the reference
+        (and of its noise twin) takes the candidate's input to it instead. Either way a point's error is the one
+        its layer adds; this way round the reference restarts at every layer from where the candidate is."""
+        return self.isolate and not self.kind.isolates
+
     def wanted(self) -> list[str]:
         """The points a prompt compares: a slice compares what each of its layers hands on, like an isolated
         check (its layers are all it tests); a golden compares what it holds."""
@@ -156,9 +163,9 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
     if inject and not kind.injects:
         raise ParityError(f"--inject needs a neutral candidate (the executor runs the mistake); {candidate} is "
                           f"{kind.name}")
-    if isolate and not kind.isolates:
+    if isolate and not kind.isolates and truth.stored:  # else the reference follows the candidate (Plan.follows)
         raise ParityError(f"--isolate: a {kind.name} candidate ({candidate}) cannot be fed the reference's layer "
-                          f"inputs; drop --isolate")
+                          f"inputs, and a golden cannot be fed the candidate's; drop --isolate")
     span = parse_layers(layers, ckpt.resolved.num_layers)
     if not span.whole:
         _check_span(span, truth, kind, generate, Path(candidate))

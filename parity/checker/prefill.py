@@ -10,7 +10,9 @@ the check holds one model at a time and never both sides' logits whole beside it
 than the temporary files' disk can take, the two run in step.
 
 ``--isolate`` feeds each candidate layer the reference's input to it (a slice of ``--layers`` its first layer):
-the error a layer adds, apart from the error it inherits.
+the error a layer adds, apart from the error it inherits. A candidate that cannot be fed (an engine runs its
+graph whole: GGUF, ONNX, a dump) is isolated the other way round (Plan.follows): the reference runs in step with
+it, and each of its layers, and its noise twin's, waits for the candidate's input to that layer.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import torch
 from .. import names
 from ..checkpoint import Checkpoint
 from ..compare import CHUNK_BYTES, OnDisk, logit_metrics
-from ..models import Models, Stream, layer_inputs
+from ..models import Models, Stream, fed_points, layer_inputs
 from ..report import PointResult
 from .judge import Judge
-from .noise import EngineTwin, NoNoise, Recorded, Twin
+from .noise import EngineTwin, LayerInputs, NoNoise, Recorded, Twin
 from .plan import Plan
 
 
@@ -159,9 +161,18 @@ class PromptCheck:
         # candidate can be fed: a dump or a graph runs from its own start)
         self.feeding = (set(range(n_layers + 1)) if plan.isolate
                         else {span.start} if span.start > 0 and plan.kind.isolates else set())
+        # following the candidate (Plan.follows): the reference is fed its layer inputs and MLP inputs, each keyed
+        # by the layer's index or the point's name; ``pending`` are the points that give them, in forward order
+        self.follow: LayerInputs | None = LayerInputs() if plan.follows else None
+        self.keys: dict[str, int | str] = {}
+        if self.follow is not None:
+            self.keys = {**{p: i for p, i in self.input_of.items() if i in self.feeding},
+                         **{p: p for p in fed_points(plan.checkpoint)}}
+            self.feeding |= set(fed_points(plan.checkpoint))
+        self.pending = sorted(self.keys, key=names.point_order)
         self.entry = next((p for p, i in self.input_of.items() if i == span.start), None) if span.start else None
         # each side emits only what is compared (and what feeds a layer): nothing else is held
-        self.needed = set(self.wanted) | {p for p, i in self.input_of.items() if i in self.feeding}
+        self.needed = set(self.wanted) | {p for p, i in self.input_of.items() if i in self.feeding} | set(self.keys)
         self.last = span.stop - 1 if span.stop < n_layers else None  # the models stop after the slice
         self.head_input = f"layers.{n_layers - 1}.out"
         self.wanted_set = set(self.wanted)
@@ -182,7 +193,8 @@ class PromptCheck:
         if plan.arithmetic is not None:  # the plain reference beside the emulating one, calibrated or not
             self.say("loading the plain reference, beside the one that computes as the engine does")
             return EngineTwin(self.models, plan.checkpoint, self.ids, self.needed, calibrated=plan.calibrate,
-                              on_layer=self._progress("plain reference"), last=self.last)
+                              on_layer=self._progress("plain reference"), last=self.last,
+                              fed=self.feeding if self.follow else frozenset())
         if not plan.calibrate:
             return NoNoise()
         ckpt, dtype = (self.quantized, torch.float32) if self.quantized is not None else (
@@ -212,11 +224,13 @@ class PromptCheck:
             self.reference.written()  # the reference's logits are on disk before the candidate's are computed
         if name not in self.needed:
             return
+        i = self.input_of.get(name)
+        if self.follow is not None:
+            self._hand_over(name, got)
         ref = self.reference.get(name)
         if ref is None:
             return
-        i = self.input_of.get(name)
-        if i in self.feeding:
+        if i in self.feeding and self.follow is None:
             self.reference_out[i] = ref
             self.noise.feed_layer(i, ref)
         if name not in self.wanted_set:
@@ -226,14 +240,29 @@ class PromptCheck:
         result.plain_rel_l2 = self.noise.plain(name, got)
         self.out.results.append(result)
         self._keep(name, got, ref, result)
-        if i is not None:  # only the latest layer input is held
-            self.layer_input = {i: ref}
+        if i is not None:  # only the latest layer input is held: the one both sides took
+            self.layer_input = {i: got if self.follow is not None else ref}
         if name == "logits":
             self.out.logits = logit_metrics(got, ref.to(got.device))
             if self.noise.logits is not None:  # beside a reference that emulates the engine: against the plain one
                 self.out.logits["against_plain"] = self.noise.logits
         if name.endswith(".out"):
             self.say(f"compared {name}")
+
+    def _hand_over(self, name: str, got: torch.Tensor) -> None:
+        """Following the candidate: the input it gives (``name`` one of ``keys``) goes to the reference and its
+        twin; before the reference is asked for a point, every input that comes earlier in forward order has been
+        handed over (one the candidate does not give is released: the reference takes its own there), so neither
+        thread waits on the other for ever."""
+        order = names.point_order(name)
+        while self.pending and names.point_order(self.pending[0]) < order:
+            self._give(self.keys[self.pending.pop(0)], None)
+        if self.pending and self.pending[0] == name:
+            self._give(self.keys[self.pending.pop(0)], got.detach().to("cpu", copy=True))
+
+    def _give(self, key: int | str, x: torch.Tensor | None) -> None:
+        self.follow.put(key, x)
+        self.noise.feed_layer(key, x)
 
     def _keep(self, name: str, got: torch.Tensor, ref: torch.Tensor, result: PointResult) -> None:
         """What the diagnosis needs: both sides at the first failure and the final output, and the reference's
@@ -278,9 +307,13 @@ class PromptCheck:
         """``done_with_reference``: no later prompt runs the reference, so a whole one is dropped once it has
         run (the candidate loads into its memory)."""
         plan, models = self.plan, self.models
-        ahead = not models.stream and not plan.reference.stored and points_fit(plan, self.ids, self.needed)
+        # run ahead to disk, unless the reference follows the candidate: then the two run in step
+        ahead = (not models.stream and not plan.reference.stored and self.follow is None
+                 and points_fit(plan, self.ids, self.needed))
         self.say("loading the reference")
-        self.reference = Stream(plan.reference.run(models, self.k, self.ids, self.needed,
+        follow = self.follow
+        feed = (lambda i, x: follow.feed(i, x) if i in self.feeding else x) if follow is not None else None
+        self.reference = Stream(plan.reference.run(models, self.k, self.ids, self.needed, feed=feed,
                                                    on_layer=self._progress("reference"), last=self.last),
                                 plan.reference.kind)
         self.noise = NoNoise()
@@ -293,11 +326,16 @@ class PromptCheck:
                     self.reference.written()
             self.noise = self._noise()
             self.say(f"running the candidate ({plan.kind.name})")
-            plan.candidate.run(models, self.k, self.ids, feed=self.feed if self.feeding else None)(self.on_point)
+            fed = self.feed if self.feeding and follow is None else None
+            plan.candidate.run(models, self.k, self.ids, feed=fed)(self.on_point)
         except BaseException:  # an error, Ctrl-C: the reference's threads are told to end, and not waited for
+            if follow is not None:
+                follow.close()
             self.noise.close(wait=False)
             self.reference.stop(wait=False)
             raise
+        if follow is not None:  # layer inputs the candidate never gave: the reference takes its own
+            follow.close()
         self.noise.close()
         self._settle()
         self.reference.stop()

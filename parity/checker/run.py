@@ -98,6 +98,8 @@ def _new_report(plan: Plan) -> Report:
                     mode="isolated" if plan.isolate else "free", layerwise=plan.layerwise, calibrated=plan.calibrate)
     if not plan.span.whole:
         report.layers = plan.span.to_json()
+    if plan.follows:  # isolated the other way round: the candidate cannot be fed
+        report.reference["fed"] = "the candidate's input to each layer"
     q = plan.checkpoint.quantization
     if not plan.reference.stored and q is not None:  # an FP8 reference runs on its dequantized weights
         report.reference["quantization"] = {**q.to_json(), "dequantized_to": "float32",
