@@ -314,7 +314,8 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
                    "or a golden (parity golden record).")
 @click.option("--candidate", required=True, type=click.Path(path_type=Path),
               help="A neutral directory (parity convert), another Hugging Face checkpoint directory, "
-                   "an engine dump (.safetensors, docs/dumps.md), or an ONNX model (.onnx).")
+                   "an engine dump (.safetensors, docs/dumps.md), an ONNX model (.onnx), a GGUF file, or "
+                   "KIND:PATH for an engine that runs a checkpoint its own way (`parity engines` lists them).")
 @click.option("--layerwise", is_flag=True, help="Compare every capture point, not only the final output.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="The candidate's dtype; the reference runs in float32.")
@@ -341,6 +342,13 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
               help="ONNX candidates: the onnxruntime execution provider (default CPUExecutionProvider).")
 @click.option("--map", "maps", multiple=True, metavar="POINT=VALUE",
               help="ONNX candidates: read capture point POINT from graph value VALUE (repeatable).")
+@click.option("--candidate-attn", "attn", default=None, metavar="IMPL",
+              help="Hugging Face candidates: transformers' attention implementation (eager, sdpa, flex_attention).")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Hugging Face candidates: run the candidate under torch.compile.")
+@click.option("--engine-option", "engine_options", multiple=True, metavar="KEY=VALUE",
+              help="Engine candidates (KIND:PATH): one of the engine's options, e.g. bits=4 (repeatable; "
+                   "`parity engines` lists them).")
 @click.option("--stream/--no-stream", default=None,
               help="Read the models' weights a layer at a time (default: only when they would not fit in memory).")
 @click.option("--device", default="cpu", show_default=True, metavar="DEVICE",
@@ -355,8 +363,8 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
                    "quantization is not taken for a porting mistake.")
 @adapters_option
 def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
-              tolerance, report_paths, junit, generate, decode, per_layer, inject, checkpoint, provider, maps, stream,
-              device, candidate_device, layer_span, same_weights, adapter_dirs):
+              tolerance, report_paths, junit, generate, decode, per_layer, inject, checkpoint, provider, maps, attn,
+              compile_, engine_options, stream, device, candidate_device, layer_span, same_weights, adapter_dirs):
     """Compare a candidate against the reference, point by point; exit 0 pass, 1 fail, 2 no verdict.
 
     \b
@@ -376,7 +384,8 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
                         per_layer=per_layer,
                         report_paths=report_paths, junit=junit, run=check_same_weights if same_weights else check,
                         checkpoint=checkpoint, inject=inject,
-                        provider=provider, maps=list(maps), stream=stream, device=device,
+                        provider=provider, maps=list(maps), attn=attn, compile=compile_,
+                        engine_options=list(engine_options), stream=stream, device=device,
                         candidate_device=candidate_device, layers=layer_span, layers_progress=True)
     sys.exit(report.exit_code)
 
@@ -442,6 +451,37 @@ def bugs_cmd(as_json):
         table.add_column(col, overflow="fold")
     for r in rows:
         table.add_row(r["id"], r["mistake"], ", ".join(r["families"]), r["shows"])
+    console_for_output().print(table)
+
+
+@cli.command("engines", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def engines_cmd(as_json):
+    """The candidate kinds: how each is taken (found by its files, or named as KIND:PATH), what it can do, its
+    --engine-option keys, and whether its engine is installed here."""
+    import importlib.util
+
+    from . import candidates
+
+    rows = []
+    for kind in candidates.kinds().values():
+        installed = kind.requires is None or importlib.util.find_spec(kind.requires[0]) is not None
+        rows.append({"kind": kind.name, "named_as": [kind.name, *kind.aliases] if kind.explicit else None,
+                     "isolates": kind.isolates, "decodes": kind.make_decoder is not None,
+                     "same_weights": kind.same_weights is not None, "options": dict(kind.engine_options),
+                     "installed": installed,
+                     "install": None if installed else f"pip install 'parity[{kind.requires[1]}]'"})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(box=None, show_lines=False)
+    for col in ("kind", "taken", "isolates", "decodes", "same weights", "options", "installed"):
+        table.add_column(col, overflow="fold")
+    yes = lambda b: "yes" if b else "no"  # noqa: E731
+    for r in rows:
+        table.add_row(r["kind"], f"{r['named_as'][0]}:PATH" if r["named_as"] else "by its files", yes(r["isolates"]),
+                      yes(r["decodes"]), yes(r["same_weights"]), ", ".join(f"{k}: {v}" for k, v in r["options"].items()),
+                      "yes" if r["installed"] else r["install"])
     console_for_output().print(table)
 
 

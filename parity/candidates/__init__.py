@@ -12,6 +12,11 @@ A kind is one module of this package that defines::
 and optionally::
 
     ISOLATES = False                                # can be fed the reference's layer inputs (feed)
+    EXPLICIT = False                                # taken only when named: --candidate KIND:PATH (an engine that
+                                                    # runs a Hugging Face directory its own way)
+    ALIASES = ()                                    # other names for KIND: in --candidate KIND:PATH
+    ENGINE_OPTIONS = {}                             # --engine-option KEY=VALUE keys this kind reads, with their help
+    REQUIRES = ("mlx_lm", "mlx")                    # the engine's Python module, and parity's extra installing it
     OPTIONS = ()                                    # the fields of Options this kind reads; a user option outside
                                                     # them (e.g. --provider for a GGUF) is refused by the plan
     def validate(path, adapter_dirs)                # refuse a bad candidate before any model is loaded
@@ -23,7 +28,7 @@ and optionally::
                                                     # cache; emit(step, point, tensor [1, 1, width]) for steps 1..
     def same_weights(ckpt, path, out) -> dict       # write a reference holding its own weights (--same-weights)
 
-and one line in KINDS below. The check (parity.checker) depends only on this protocol: it never imports a kind's
+and one line in KINDS below (ENGINES: the kinds taken only when named). The check (parity.checker) depends only on this protocol: it never imports a kind's
 module, which is loaded on first use (an engine's Python bindings are imported only when its files are checked).
 """
 
@@ -34,8 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-# Detection order: the first kind whose detect() accepts a path runs it.
+# Detection order: the first kind whose detect() accepts a path runs it. Engines come last: taken only when named.
 KINDS = ("dump", "onnx", "gguf", "golden", "neutral", "huggingface")
+ENGINES: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,9 @@ class Options:
     map: tuple[tuple[str, str], ...] = ()      # ONNX: (point, graph value) pairs (--map)
     inject: str | None = None                  # neutral: the catalogued mistake the executor runs (--inject)
     layers: range | None = None                # the layers a slice runs (--layers)
+    attn: str | None = None                    # transformers: the attention implementation (--candidate-attn)
+    compile: bool = False                      # transformers: run the candidate under torch.compile (--compile)
+    engine: tuple[tuple[str, str], ...] = ()   # an engine kind's ENGINE_OPTIONS, (key, value) (--engine-option)
     last: int | None = None                    # the last layer a slice needs (None: run to the end)
 
 
@@ -83,6 +92,10 @@ class Kind:
     make_runner: Callable
     isolates: bool = False
     options: tuple[str, ...] = ()
+    explicit: bool = False
+    aliases: tuple[str, ...] = ()
+    engine_options: tuple[tuple[str, str], ...] = ()
+    requires: tuple[str, str] | None = None
     validate: Callable | None = None
     shapes: Callable | None = None
     describe: Callable | None = None
@@ -99,20 +112,35 @@ _loaded: dict[str, Kind] = {}
 
 
 def kinds() -> dict[str, Kind]:
-    """Every candidate kind, by name, in detection order."""
-    for module in KINDS:
+    """Every candidate kind, by name, in detection order (the engines last). A kind's module imports nothing of
+    its engine at load: its Python bindings are imported when it runs."""
+    for module in KINDS + ENGINES:
         if module not in _loaded:
             m = importlib.import_module(f"{__name__}.{module}")
+            options = tuple(getattr(m, "OPTIONS", ()))
+            engine = tuple(sorted(getattr(m, "ENGINE_OPTIONS", {}).items()))
             _loaded[module] = Kind(m.KIND, m.detect, m.make_runner, getattr(m, "ISOLATES", False),
-                                   tuple(getattr(m, "OPTIONS", ())),
+                                   options + (("engine",) if engine else ()), getattr(m, "EXPLICIT", False),
+                                   tuple(getattr(m, "ALIASES", ())), engine, getattr(m, "REQUIRES", None),
                                    *(getattr(m, f, None) for f in ("validate", "shapes", "describe", "check_span",
                                                                    "make_decoder", "same_weights")))
-    return {k.name: k for k in (_loaded[m] for m in KINDS)}
+    return {k.name: k for k in (_loaded[m] for m in KINDS + ENGINES)}
 
 
 def detect(path: Path) -> str | None:
-    """The kind of a candidate path, or None when no kind here takes it."""
-    return next((name for name, kind in kinds().items() if kind.detect(Path(path))), None)
+    """The kind of a candidate path, or None when no kind here takes it (engine kinds are only taken by name)."""
+    return next((name for name, kind in kinds().items() if not kind.explicit and kind.detect(Path(path))), None)
+
+
+def named(spec: str) -> tuple[Kind | None, str]:
+    """``KIND:PATH`` split into the kind it names (by name or alias) and the path; (None, spec) when the text
+    before a colon names no kind (a path with a colon in it)."""
+    prefix, sep, rest = str(spec).partition(":")
+    if sep and rest:
+        for kind in kinds().values():
+            if prefix == kind.name or prefix in kind.aliases:
+                return kind, rest
+    return None, str(spec)
 
 
 def get(name: str) -> Kind | None:

@@ -11,6 +11,7 @@ from ..checkpoint import inventory, open_checkpoint, refuse_mismatched, weight_f
 from ..models import hf_decoder, hf_runner
 
 KIND = "transformers"
+ALIASES = ("hf", "huggingface")
 ISOLATES = True     # pre-hooks replace each layer's input
 OPTIONS = ("last",)  # a slice stops after its last layer
 

@@ -126,7 +126,8 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
               isolate: bool = False, calibrate: bool = False, tolerance=(), prompt: str | None = None,
               ids: list[int] | None = None, length: int | None = None, inputs_file: Path | None = None,
               generate: int = 0, inject: str | None = None, diagnose: bool = True, checkpoint: Path | None = None,
-              adapter_dirs=(), provider: str | None = None, maps=(), stream: bool | None = None,
+              adapter_dirs=(), provider: str | None = None, maps=(), attn: str | None = None, compile: bool = False,
+              engine_options=(), stream: bool | None = None,
               device: str = "cpu", candidate_device: str | None = None, layers: str | None = None,
               decode: int = 0, arithmetic=None) -> Plan:
     """The plan of ``parity check`` for these options (parity.checker.run.check documents them), or the
@@ -151,7 +152,7 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
     if decode:
         length = _decode_prompt(truth, isolate, layers, decode, prompt, ids, length, inputs_file)
     inputs = tuple(truth.inputs(prompt=prompt, ids=ids, length=length, inputs_file=inputs_file))
-    kind = candidate_kind(Path(candidate))
+    kind, candidate = candidate_kind(candidate)
     if decode and kind.make_decoder is None:
         raise ParityError(f"--decode: a {kind.name} candidate ({candidate}) cannot be run step by step by parity yet "
                           f"(kinds that decode: {', '.join(k for k, c in candidates.kinds().items() if c.make_decoder)}"
@@ -171,7 +172,8 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
         _check_span(span, truth, kind, generate, Path(candidate))
     if kind.validate is not None:  # e.g. a checkpoint of an unknown family, or with wrong tensors: refused now
         kind.validate(Path(candidate), adapter_dirs)
-    options = _candidate_options(kind, provider=provider, maps=maps, layerwise=layerwise, inject=inject, span=span)
+    options = _candidate_options(kind, provider=provider, maps=maps, layerwise=layerwise, inject=inject, span=span,
+                                 attn=attn, compile=compile, engine=engine_options)
     side = CandidateSide(kind, Path(candidate), options, DTYPES[dtype], ckpt)
     chosen = stream is None
     if chosen:
@@ -215,22 +217,39 @@ def _check_span(span: Span, truth, kind: Kind, generate: int, candidate: Path) -
         kind.check_span(candidate, span.start, span.stop)
 
 
-def _candidate_options(kind: Kind, *, provider, maps, layerwise: bool, inject: str | None, span: Span) -> Options:
-    """The candidate's options, of the fields its kind reads: --provider and --map (ONNX) parsed, and refused for a
-    kind that does not read them."""
+def _candidate_options(kind: Kind, *, provider, maps, layerwise: bool, inject: str | None, span: Span,
+                       attn: str | None = None, compile: bool = False, engine=()) -> Options:
+    """The candidate's options, of the fields its kind reads: --provider and --map (ONNX) parsed, --candidate-attn
+    and --compile (transformers), --engine-option checked against its kind's keys; each refused for a kind that
+    does not read it."""
     if isinstance(maps, dict):
         maps = [f"{k}={v}" for k, v in maps.items()]
     if (provider or maps) and "provider" not in kind.options:
         raise ParityError(f"--provider and --map apply to ONNX candidates; this candidate is {kind.name}")
-    parsed: dict[str, str] = {}
-    for item in maps:
-        point, sep, value = item.partition("=")
-        if not sep or not point.strip() or not value.strip():
-            raise ParityError(f"--map {item!r}: expected POINT=VALUE, e.g. layers.0.out=/model/layers.0/Add_1_output_0")
-        parsed[point.strip()] = value.strip()
+    if (attn or compile) and "attn" not in kind.options:
+        raise ParityError(f"--candidate-attn and --compile apply to Hugging Face candidates run by transformers; "
+                          f"this candidate is {kind.name}")
+    parsed = _pairs("--map", maps, "POINT=VALUE, e.g. layers.0.out=/model/layers.0/Add_1_output_0")
+    given_engine = _pairs("--engine-option", engine, "KEY=VALUE, e.g. bits=4")
+    known = dict(kind.engine_options)
+    for key in given_engine:
+        if key not in known:
+            raise ParityError(f"--engine-option {key}: a {kind.name} candidate reads "
+                              + (f"only {', '.join(f'{k} ({v})' for k, v in known.items())}" if known else "none"))
     given = {"layerwise": layerwise, "provider": provider, "map": tuple(sorted(parsed.items())), "inject": inject,
-             "layers": range(span.start, span.stop), "last": span.stop - 1 if span.stop < span.of else None}
+             "layers": range(span.start, span.stop), "last": span.stop - 1 if span.stop < span.of else None,
+             "attn": attn, "compile": compile, "engine": tuple(sorted(given_engine.items()))}
     return Options(**{name: value for name, value in given.items() if name in kind.options})
+
+
+def _pairs(option: str, items, example: str) -> dict[str, str]:
+    parsed: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ParityError(f"{option} {item!r}: expected {example}")
+        parsed[key.strip()] = value.strip()
+    return parsed
 
 
 def _quantized(kind: Kind, path: Path) -> bool:

@@ -47,7 +47,7 @@ def check(reference: Path, candidate: Path, *, progress: Callable[[str], None] |
     the reference's input to layer A; ``parity report merge`` joins slices). ``progress(message)`` and
     ``on_layer(model, done, total)`` report what it is doing.
     """
-    plan = make_plan(Path(reference), Path(candidate), **options)
+    plan = make_plan(Path(reference), candidate, **options)
     return run(plan, progress=progress, on_layer=on_layer)
 
 
@@ -223,7 +223,7 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
     judged on its compute and conventions, not on its quantization or its engine's arithmetic. The plain
     reference runs beside it: each point's error against it is reported too, and with --calibrate the distance
     between the two references is the points' noise."""
-    kind = candidate_kind(Path(candidate))
+    kind, path = candidate_kind(candidate)
     if kind.same_weights is None:
         raise ParityError(f"--same-weights reads the candidate's weights back; a {kind.name} candidate ({candidate}) "
                           f"cannot give them (GGUF files can)")
@@ -232,7 +232,7 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
                           "holds activations, not a model")
     ckpt = open_checkpoint(Path(reference), adapter_dirs)
     with tempfile.TemporaryDirectory(prefix="parity-same-weights-") as tmp:
-        held = kind.same_weights(ckpt, Path(candidate), Path(tmp))
+        held = kind.same_weights(ckpt, path, Path(tmp))
         report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, arithmetic=Arithmetic.load(Path(tmp)),
                        **options)
     # the reference the user named, built from the candidate's weights (and computing as its engine does)
@@ -257,7 +257,7 @@ def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.d
     """One forward of a Hugging Face checkpoint (transformers) or a neutral directory (parity's executor), with
     no comparison: the yardstick a check's cost is measured against (bench/check.py)."""
     models = Models(adapter_dirs, stream=stream, device=device, candidate_device=device)
-    kind = candidate_kind(Path(path))
+    kind, path = candidate_kind(path)
     with torch.no_grad():
         if kind.name == "transformers":  # no hooks at all
             model = models.hf(open_checkpoint(Path(path), adapter_dirs), dtype)

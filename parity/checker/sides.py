@@ -159,16 +159,25 @@ class CandidateSide:
         return self.kind.make_decoder(self._candidate(models), ids, tokens)
 
 
-def candidate_kind(path: Path) -> Kind:
-    """A candidate's kind: the first of parity.candidates' kinds that takes the path."""
+def candidate_kind(spec) -> tuple[Kind, Path]:
+    """A candidate's kind and path: the kind ``KIND:PATH`` names, else the first of parity.candidates' kinds that
+    takes the path."""
+    kind, path = candidates.named(str(spec))
+    if kind is not None:
+        if not Path(path).exists():
+            raise ParityError(f"--candidate {spec}: {path}: no such file or directory")
+        return kind, Path(path)
     found = candidates.detect(Path(path))
     if found is not None:
-        return candidates.get(found)
+        return candidates.get(found), Path(path)
     if not Path(path).exists():
         raise ParityError(f"--candidate {path}: no such file or directory")
+    engines = [k.name for k in candidates.kinds().values() if k.explicit]
     raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json), a Hugging Face checkpoint "
                       f"(config.json), an ONNX graph, a GGUF file, a golden or an engine dump (the kinds: "
-                      f"{', '.join(candidates.kinds())})")
+                      f"{', '.join(k for k in candidates.kinds() if k not in engines)}"
+                      + (f"; an engine's directory is named as KIND:PATH, KIND one of {', '.join(engines)}"
+                         if engines else "") + ")")
 
 
 def inputs_for(reference: Path, *, prompt: str | None = None, ids: list[int] | None = None,
