@@ -7,8 +7,13 @@ Each tensor is judged on its way back, by its type:
 - stored unquantized (F32, F16, BF16: every norm and bias llama.cpp writes): it must equal the checkpoint's
   tensor after the documented layout transform (q/k rows in llama.cpp's RoPE order, ``1 + w`` norms), rounded to
   that type. Anything else is a porting mistake;
-- quantized: within the type's band of the checkpoint's tensor (BANDS: about three times the rel_l2 each type's
-  quantizer leaves on Gaussian weights, and far below the ~1.4 of q/k rows in the other RoPE order).
+- quantized, of a type gguf-py can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) in a file made without an importance
+  matrix: llama.cpp's quantizer is deterministic, so its blocks must be the checkpoint's tensor quantized again
+  (gguf-py ports llama.cpp's reference quantizers), from float32 or from the F16/BF16 a converter writes first.
+  Every block of the real Qwen2.5-Coder file's Q8_0 and Q5_0 tensors is reproduced bit for bit;
+- other quantized types (the K-quants, IQ types, or any type quantized with an importance matrix): within the
+  type's band of the checkpoint's tensor (BANDS: about three times the rel_l2 each type's quantizer leaves on
+  Gaussian weights, and far below the ~1.4 of q/k rows in the other RoPE order).
 
 A tensor that fails is reported, and the reference keeps the checkpoint's own there, so that the check judges it.
 """
@@ -30,6 +35,8 @@ BANDS = {"Q8_0": 0.02, "Q8_1": 0.02, "Q6_K": 0.05, "Q5_0": 0.15, "Q5_1": 0.15, "
          "Q4_1": 0.3, "Q4_K": 0.3, "IQ4_NL": 0.3, "IQ4_XS": 0.3, "MXFP4": 0.3}
 OTHER_BAND = 0.6     # Q3_K, Q2_K and the IQ2/IQ3/IQ1 types: coarse, still below a permutation's ~1.4
 EXACT = 1e-6         # an unquantized tensor against the checkpoint's, rounded the same way
+REQUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # gguf-py's ports of llama.cpp's reference quantizers
+REQUANTIZED_ROWS = 1 << 20  # values re-quantized per tensor: evenly spaced rows (blocks never cross a row)
 UNQUANTIZED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -64,7 +71,8 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     manifest = build_manifest(ckpt, torch.float32, spec.rope_style, check.prefix, hashes=False)
     by_neutral = neutral_map(stored_tensor_map(r, check))
     source_style = r["positions.rope_style"]
-    out_tensors, types, wrong = {}, {}, {}
+    out_tensors, types, wrong, requantized, blocks = {}, {}, {}, {}, {}
+    imatrix = any(key.startswith("quantize.imatrix") for key in reader.fields)  # its blocks depend on the data
     arithmetic = Arithmetic(gelu_table=r["mlp.activation"] == "gelu_tanh")
     originals = Dequantizer.of(ckpt)
     names = {tensor.name for tensor in reader.tensors}
@@ -94,7 +102,13 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
         if kind in UNQUANTIZED:
             expected = expected.to(UNQUANTIZED[kind]).float()
         error = metrics(stored, expected)["rel_l2"] if stored.shape == expected.shape else float("inf")
-        if not error <= band(kind):
+        differing = 0.0
+        if error <= band(kind) and kind in REQUANTIZABLE and not imatrix:
+            differing = requantized_blocks(stored, expected, kind)
+            requantized[kind] = requantized.get(kind, 0) + (differing == 0)
+        if differing:  # a quantization, but not of the checkpoint's tensor: some other input was quantized
+            blocks[hf_name] = differing
+        if differing or not error <= band(kind):
             wrong[hf_name] = error
             x = original
         else:
@@ -116,7 +130,29 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
             arithmetic.mins[OUTPUT] = mins
     write_reference(ckpt, Path(out), out_tensors, arithmetic, untie="output.weight" in names)
     return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong,
-            "bands": {kind: band(kind) for kind in sorted(types)}}
+            "requantized": requantized, "blocks_not_requantized": blocks, "importance_matrix": imatrix,
+            "bands": {kind: band(kind) for kind in sorted(types) if kind not in REQUANTIZABLE or imatrix}}
+
+
+def requantized_blocks(stored: torch.Tensor, expected: torch.Tensor, kind: str) -> float:
+    """The fraction of ``stored``'s blocks that differ from the checkpoint's tensor (``expected``, laid out as the
+    file holds it) quantized again by gguf-py, from float32 or from float16 or bfloat16 (what a converter writes
+    before llama.cpp quantizes it), whichever reproduces more: 0 for a file llama.cpp quantized from this
+    checkpoint. Evenly spaced rows, up to REQUANTIZED_ROWS values (the embedding takes 30 s whole)."""
+    import gguf
+
+    qt = gguf.GGMLQuantizationType[kind]
+    rows = stored.reshape(-1, stored.shape[-1])
+    step = max(1, rows.numel() // REQUANTIZED_ROWS)
+    want, source = rows[::step], expected.reshape(rows.shape)[::step]
+    best = 1.0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = source.to(dtype).float().numpy()
+        again = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x, qt), qt).astype("float32"))
+        best = min(best, (again.reshape(want.shape) != want).reshape(-1, 32).any(1).float().mean().item())
+        if best == 0.0:
+            break
+    return best
 
 
 def neutral_map(stored: dict, source: str = "GGUF") -> dict:

@@ -13,7 +13,22 @@ MISTAKES = {
     "qk-permuted": "q/k rows (and biases) permuted into the interleaved RoPE order llama.cpp's llama expects",
     "qkv-bias-dropped": "the q/k/v biases written as zeros",
     "freq-base-wrong": "rope.freq_base written as 10,000 (the Llama 2 value) instead of the config's",
+    "v-from-another-revision": "every attn_v weight quantized from another revision of the checkpoint (the "
+                               "weights 5% apart): within a 4- or 5-bit type's band, but not the checkpoint's "
+                               "quantized",
 }
+
+
+def _another_revision(t) -> np.ndarray:
+    """The tensor's blocks re-quantized from its values 5% (rel_l2) away, seeded: what a file made from a
+    neighbouring revision of the checkpoint holds."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(t.tensor_type)
+    values = gguf.quants.dequantize(t.data, kind).astype(np.float32)
+    noise = np.random.default_rng(0).standard_normal(values.shape).astype(np.float32)
+    values = values + 0.05 * noise * np.linalg.norm(values) / np.linalg.norm(noise)
+    return gguf.quants.quantize(values, kind).reshape(t.data.shape)
 
 
 def _interleave_rows(x: np.ndarray, head_dim: int) -> np.ndarray:
@@ -55,6 +70,8 @@ def write_twin(source: Path, out: Path, mistake: str) -> Path:
             x = np.zeros_like(x)
         if mistake == "qk-permuted" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
             x = _interleave_rows(x, head_dim)
+        if mistake == "v-from-another-revision" and t.name.endswith("attn_v.weight"):
+            x = _another_revision(t)
         data[t.name] = x
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     writer.write_header_to_file()

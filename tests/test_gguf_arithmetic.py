@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from .conftest import ADAPTERS
+from .gguf_twins import write_twin
 from .test_gguf import GGUF_FAMILIES, RELEASED, _check, _cli
 from .test_gguf_quantize import WIDE
 
@@ -39,6 +40,7 @@ pytest.importorskip("llama_cpp")
 from parity.candidates.gguf import GGUFRun, _read
 from parity.compare import ENGINE_MULTIPLE, NOISE_FLOOR
 from parity.ggml import ACTIVATIONS, block_mins, round_activations
+from parity.gguf_weights import BANDS, REQUANTIZABLE
 
 IDS = [(37 * k + 11) % 256 for k in range(16)]  # tokens for the one-op runs (every tiny vocabulary has 256)
 
@@ -204,6 +206,8 @@ def test_a_correct_file_passes_closer_to_the_emulating_reference(source, qtype, 
     assert result.exit_code == 0, result.output
     held = report["reference"]["same_weights"]
     assert held["not_a_quantization"] == {}
+    # llama.cpp's quantizer reproduced: every tensor of a type gguf-py quantizes is the checkpoint's quantized again
+    assert held["requantized"] == {k: n for k, n in held["types"].items() if k in REQUANTIZABLE}, held
     arithmetic = report["reference"]["arithmetic"]
     assert arithmetic["engine"] == "llama.cpp (ggml-cpu)" and arithmetic["matmuls"]
     for kinds in arithmetic["matmuls"]:  # "Q4_1 x Q8_1": a type the file holds, and its activation partner
@@ -293,6 +297,23 @@ def test_a_q8_0_twin_fails_where_its_bug_acts(family, bug, first, checkpoint, gg
     assert any("not a quantization of the checkpoint's" in w for w in report["warnings"]) == warned
     # named since the candidate's embeddings are read (llama.cpp's "embd"): the diagnosis replays layer 0 from them
     assert report["diagnosis"][0]["bug"] == bug, report["diagnosis"]
+
+
+def test_a_tensor_quantized_from_other_weights_is_not_taken_for_the_checkpoints(checkpoint, gguf_file, tmp_path):
+    """Every attn_v quantized from weights 5% away (a file made from another revision of the checkpoint): within
+    Q4_0's band (0.3; its own quantization costs 9%), so only re-quantizing the checkpoint's tensor tells it
+    apart. The reference keeps the checkpoint's own v, and the check fails where v acts, with the tensors named."""
+    twin = write_twin(gguf_file("llama", "Q4_0"), tmp_path / "twin.gguf", "v-from-another-revision")
+    result, report = _check(checkpoint("llama"), twin, tmp_path / "r.json", "--same-weights", "--calibrate")
+    assert result.exit_code == 1, result.output
+    held = report["reference"]["same_weights"]
+    v = {name for name in held["not_a_quantization"]}
+    assert v == {f"model.layers.{i}.self_attn.v_proj.weight" for i in range(2)}, held["not_a_quantization"]
+    assert all(0.05 < held["not_a_quantization"][name] < BANDS["Q4_0"] for name in v)  # inside the band
+    assert all(held["blocks_not_requantized"][name] > 0.9 for name in v)
+    assert held["requantized"]["Q4_0"] == held["types"]["Q4_0"] - 2
+    assert report["first_divergence"]["point"] == "layers.0.attn_out"
+    assert any("not the checkpoint's quantized again" in w for w in report["warnings"]), report["warnings"]
 
 
 # --------------------------------------------------------------------------- 4. nothing to emulate in an F32 file

@@ -85,7 +85,10 @@ def test_the_real_file_passes_against_the_emulating_reference(prompt, tmp_path):
     # the first matmuls: the emulating reference is 20x closer than the plain one
     assert points["layers.0.mid"]["rel_l2_plain"] > 20 * points["layers.0.mid"]["rel_l2"]
     assert report["reference"]["arithmetic"]["matmuls"]["Q5_0 x Q8_0"] > 0
-    assert report["reference"]["same_weights"]["not_a_quantization"] == {}
+    held = report["reference"]["same_weights"]
+    assert held["not_a_quantization"] == {}
+    # llama.cpp's converter quantized the checkpoint itself: its Q5_0 and Q8_0 blocks are reproduced bit for bit
+    assert held["requantized"] == {k: held["types"][k] for k in ("Q5_0", "Q8_0")} and not held["importance_matrix"]
     assert report["logits"]["against_plain"]["top1_agreement"] > 0.9
 
 
@@ -106,7 +109,8 @@ def test_isolated_every_point_is_5x_closer_to_the_emulating_reference(tmp_path):
 TWINS = {"norms-shifted": ("layers.0.attn_in", "norm-offset-added"),
          "qk-permuted": ("layers.0.attn_out", None),
          "qkv-bias-dropped": ("layers.0.attn_out", "qkv-bias-dropped"),
-         "freq-base-wrong": ("layers.0.attn_out", "rope-theta-wrong")}
+         "freq-base-wrong": ("layers.0.attn_out", "rope-theta-wrong"),
+         "v-from-another-revision": ("layers.0.attn_out", None)}  # no catalogued mistake: the tensors are named
 
 
 @pytest.mark.parametrize("mistake", sorted(TWINS))
@@ -120,3 +124,6 @@ def test_a_broken_twin_fails_where_its_mistake_acts(mistake, tmp_path):
     assert first["rel_l2"] > 10 * first["tolerance"]["rel_l2"]
     if bug is not None:
         assert report["diagnosis"][0]["bug"] == bug
+    if mistake == "v-from-another-revision":  # the Q5_0 ones by re-quantizing, the Q8_0 ones by their band
+        wrong = report["reference"]["same_weights"]["not_a_quantization"]
+        assert sorted(wrong) == sorted(f"model.layers.{i}.self_attn.v_proj.weight" for i in range(24))

@@ -210,7 +210,10 @@ def not_quantizations(held: dict) -> list[str]:
     wrong = held.get("not_a_quantization") or {}
     if not wrong:
         return []
-    listed = ", ".join(f"{name} (rel_l2 {error:.2g})" for name, error in list(wrong.items())[:4])
+    blocks = held.get("blocks_not_requantized") or {}
+    listed = ", ".join(f"{name} (rel_l2 {error:.2g}" + (f"; {blocks[name]:.0%} of its blocks are not the "
+                                                        f"checkpoint's quantized again" if name in blocks else "")
+                       + ")" for name, error in list(wrong.items())[:4])
     return [f"{len(wrong)} of the candidate's tensors are not a quantization of the checkpoint's: {listed}"
             f"{' ...' if len(wrong) > 4 else ''}; the reference keeps the checkpoint's own there, so a port that "
             f"laid them out wrongly still fails"]
