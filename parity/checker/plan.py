@@ -129,7 +129,7 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
               adapter_dirs=(), provider: str | None = None, maps=(), attn: str | None = None, compile: bool = False,
               engine_options=(), stream: bool | None = None,
               device: str = "cpu", candidate_device: str | None = None, layers: str | None = None,
-              decode: int = 0, arithmetic=None) -> Plan:
+              decode: int = 0, arithmetic=None, same_weights: bool = False) -> Plan:
     """The plan of ``parity check`` for these options (parity.checker.run.check documents them), or the
     ParityError of the first one that cannot be honoured."""
     from .. import bugs
@@ -179,8 +179,9 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
     if chosen:
         shapes = kind.shapes(Path(candidate), adapter_dirs) if kind.shapes is not None else ()
         stream = not truth.stored and would_not_fit(ckpt, dtype, calibrate, device, shapes, candidate_device)
-    # a same-weights reference computes on the file's own weights: its noise is the engine's arithmetic instead
-    quantized = calibrate and not truth.stored and arithmetic is None and _quantized(kind, Path(candidate))
+    # a same-weights reference computes on the file's own weights: its noise is the engine's arithmetic, or, where
+    # the engine computes in float32 (nothing to emulate), float32's own noise, as for an unquantized candidate
+    quantized = calibrate and not truth.stored and not same_weights and _quantized(kind, Path(candidate))
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
     weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
     return Plan(truth, side, dtype, layerwise, isolate, calibrate, quantized, arithmetic, tolerances, inputs, span,

@@ -237,7 +237,7 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
     with tempfile.TemporaryDirectory(prefix="parity-same-weights-") as tmp:
         held = kind.same_weights(ckpt, path, Path(tmp))
         report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, arithmetic=Arithmetic.load(Path(tmp)),
-                       **options)
+                       same_weights=True, **options)
     # the reference the user named, built from the candidate's weights (and computing as its engine does)
     report.reference = {**report.reference, "path": str(reference), "same_weights": held}
     report.warnings += not_quantizations(held)
