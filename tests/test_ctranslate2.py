@@ -217,3 +217,11 @@ def test_int8_weights_are_read_back(made, tmp_path):
     result, report = _check(reference, f"ct2:{int8}", tmp_path / "c.json", "--calibrate")
     assert result.exit_code == 0, result.output
     assert report["candidate"]["quantization"]["types"] == {"int8": 16}
+    # the checkpoint itself with quantization=int8: the same conversion (the cache's), read back alike
+    for extra, name in ((("--same-weights", "--engine-option", "compute_type=float32"), "d.json"),
+                        (("--calibrate",), "e.json")):
+        result, report = _check(reference, f"ct2:{reference}", tmp_path / name, "--engine-option",
+                                "quantization=int8", *extra)
+        assert result.exit_code == 0, result.output
+        assert report["candidate"]["tensor_types"] == {"int8": 12} and report["candidate"]["converted"] == str(int8)
+    assert report["candidate"]["quantization"]["types"] == {"int8": 16}

@@ -269,9 +269,23 @@ def test_engine_options_are_checked(tmp_path, released, quantized):
         extra = [a for o in options for a in ("--engine-option", o)]
         result, _ = _check(qwen2, candidate, tmp_path / "r.json", *extra)
         assert result.exit_code == 2 and said in result.output, result.output
-    # --same-weights reads back the default conversion: a quantizing option would judge another model
-    result, _ = _check(qwen2, qwen2, tmp_path / "r.json", "--same-weights", "--engine-option", "bits=4")
-    assert result.exit_code == 2 and "mlx_lm.convert -q" in result.output
+
+
+def test_a_quantizing_option_is_read_back_by_same_weights_and_calibrate(tmp_path, released):
+    """mlx:HF_DIR --engine-option bits=4: --same-weights and --calibrate read back the conversion the check runs
+    (the engines' cache), not the checkpoint."""
+    qwen2 = released("qwen2")
+    result, report = _check(qwen2, qwen2, tmp_path / "s.json", "--layerwise", "--same-weights",
+                            "--engine-option", "bits=4")
+    assert result.exit_code == 0, result.output
+    held = report["reference"]["same_weights"]
+    assert held["types"] == {"affine-4bit": 15, "F32": 11} and held["not_a_quantization"] == {}
+    assert max(p["rel_l2"] for p in report["points"]) < 1e-5
+    assert report["candidate"]["tensor_types"] == {"affine-4bit": 15, "F32": 11}
+    result, report = _check(qwen2, qwen2, tmp_path / "c.json", "--layerwise", "--calibrate",
+                            "--engine-option", "bits=4")
+    assert result.exit_code == 0, result.output
+    assert report["candidate"]["quantization"]["types"] == {"affine-4bit": 15, "F32": 11}
 
 
 def test_a_conversion_is_made_once(tmp_path, released):

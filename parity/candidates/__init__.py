@@ -21,12 +21,17 @@ and optionally::
                                                     # them (e.g. --provider for a GGUF) is refused by the plan
     def validate(path, adapter_dirs)                # refuse a bad candidate before any model is loaded
     def shapes(path, adapter_dirs) -> [shape]       # the weights parity holds to run it (to decide on streaming)
-    def describe(path) -> dict                      # what the report's candidate entry adds
+    def describe(path, engine) -> dict              # what the report's candidate entry adds; engine: the checked
+                                                    # --engine-option values, {key: value} ({} when none), so
+                                                    # that a conversion they ask for is the one described
     def check_span(path, start, stop)               # refuse a --layers slice it cannot run
     def make_decoder(candidate, ids, tokens) -> run(emit)
                                                     # --decode: the prompt, then one step per token with its own
                                                     # cache; emit(step, point, tensor [1, 1, width]) for steps 1..
-    def same_weights(ckpt, path, out) -> dict       # write a reference holding its own weights (--same-weights)
+    def same_weights(ckpt, path, out, engine) -> dict
+                                                    # write a reference holding its own weights (--same-weights;
+                                                    # --calibrate of a quantized candidate): those of the
+                                                    # conversion the engine options ask for, as the runner's
 
 and one line in KINDS below (ENGINES: the kinds taken only when named). The check (parity.checker) depends only on this protocol: it never imports a kind's
 module, which is loaded on first use (an engine's Python bindings are imported only when its files are checked).

@@ -137,15 +137,19 @@ class ModelBin:
 
 
 def _engine_options(candidate) -> dict[str, str]:
-    given = dict(candidate.options.engine)
+    return _checked(Path(candidate.path), dict(candidate.options.engine))
+
+
+def _checked(path: Path, given: dict[str, str]) -> dict[str, str]:
+    """The engine options, each value checked (the runner's, and describe's and same_weights')."""
     q = given.get("quantization")
     if q is not None and q not in QUANTIZATIONS:
         raise ParityError(f"--engine-option quantization={q}: CTranslate2 converts to {', '.join(QUANTIZATIONS)}")
     prefill = given.get("prefill", "batch")
     if prefill not in ("batch", "steps"):
         raise ParityError(f"--engine-option prefill={prefill}: batch or steps")
-    if q is not None and is_ct2_dir(candidate.path):
-        raise ParityError(f"--engine-option quantization={q}: {candidate.path} is already converted (its model.bin "
+    if q is not None and is_ct2_dir(path):
+        raise ParityError(f"--engine-option quantization={q}: {path} is already converted (its model.bin "
                           f"has its types); use compute_type, or name the Hugging Face checkpoint")
     return given
 
@@ -355,15 +359,19 @@ def validate(path: Path, adapter_dirs=()) -> None:
                           f"loader for {name} (model_type {getattr(config, 'model_type', '?')})")
 
 
-def describe(path: Path) -> dict:
-    """The report's candidate entry: a model directory's matrix types (its model.bin's header), or for a Hugging
-    Face checkpoint the converter that runs it."""
+def describe(path: Path, engine: dict) -> dict:
+    """The report's candidate entry: a model directory's matrix types (its model.bin's header); for a Hugging
+    Face checkpoint converted at the type --engine-option quantization names, that conversion's (made now if not
+    yet cached: the runner's own)."""
     path = Path(path)
-    if is_ct2_dir(path):
-        found = ModelBin(path / "model.bin")
-        return {"engine": "ctranslate2", "spec": found.spec, "tensor_types": found.types()}
-    # converted when run, at a type the engine options choose: none is known here to be quantized (an empty
-    # tensor_types keeps --calibrate from reading weights back; --same-weights needs the converted directory)
+    q = _checked(path, engine).get("quantization")
+    if is_ct2_dir(path) or q is not None:
+        directory = path if is_ct2_dir(path) else convert(path, q)
+        found = ModelBin(directory / "model.bin")
+        out = {"engine": "ctranslate2", "spec": found.spec, "tensor_types": found.types()}
+        return out if directory == path else {**out, "converted": str(directory), "quantization": q}
+    # converted when run at the check's --dtype, not quantized: an empty tensor_types keeps --calibrate from
+    # reading weights back (its noise is the dtype's)
     return {"engine": "ctranslate2", "converted_by": "ctranslate2.converters.TransformersConverter",
             "tensor_types": {}}
 
@@ -457,10 +465,15 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
             "bands": {kind: BANDS.get(kind, 0.0) for kind in sorted(types)}}
 
 
-def same_weights(ckpt, path: Path, out: Path) -> dict:
-    """--same-weights: the model.bin's own weights, dequantized, as a reference."""
-    if not is_ct2_dir(Path(path)):
-        raise ParityError(f"--same-weights reads a converted CTranslate2 directory (model.bin); {path} is a Hugging "
-                          f"Face checkpoint: convert it (ct2-transformers-converter --quantization int8) and name "
-                          f"that directory")
-    return read_back(ckpt, Path(path), Path(out))
+def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
+    """--same-weights: the model.bin's own weights, dequantized, as a reference; for a Hugging Face checkpoint,
+    those of its conversion at --engine-option quantization (the runner's, from the same cache)."""
+    path = Path(path)
+    q = _checked(path, engine).get("quantization")
+    if is_ct2_dir(path):
+        return read_back(ckpt, path, Path(out))
+    if q is None:
+        raise ParityError(f"--same-weights reads a CTranslate2 conversion's weights back; {path} is a Hugging Face "
+                          f"checkpoint: say which conversion with --engine-option quantization=TYPE (e.g. int8), "
+                          f"or name a directory ct2-transformers-converter wrote")
+    return read_back(ckpt, convert(path, q), Path(out))

@@ -242,14 +242,14 @@ class GGUFRun:
         self.llama_cpp.llama_model_free(self.model)
 
 
-def same_weights(ckpt, path: Path, out: Path) -> dict:
+def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dict:
     """--same-weights: the file's own weights, and llama.cpp's arithmetic, as a reference (parity.gguf_weights)."""
     from ..gguf_weights import read_back
 
     return read_back(ckpt, Path(path), Path(out))
 
 
-def describe(path: Path) -> dict:
+def describe(path: Path, engine: dict | None = None) -> dict:
     """What the report's candidate entry adds: how many tensors the file holds of each GGML type (its header only,
     checked: a malformed file is refused in one line; nothing is dequantized)."""
     from ..gguf_file import header_types

@@ -103,16 +103,23 @@ def _line(exc: BaseException) -> str:
 
 def settings(candidate) -> dict:
     """The conversion the engine options ask for (checked), with the check's dtype as mlx-lm's default dtype."""
-    given = dict(candidate.options.engine)
+    dtype = str(candidate.dtype).removeprefix("torch.")
+    return conversion_settings(candidate.path, dict(candidate.options.engine), dtype)
+
+
+def conversion_settings(path: Path, given: dict, dtype: str = "float32") -> dict:
+    """The conversion the engine options ``given`` ask for (checked), at ``dtype`` unless they name one: what the
+    runner converts (at the check's --dtype) and what describe and same_weights read (at float32, the dtype a
+    same-weights reference computes in, unless --engine-option dtype says otherwise)."""
     for key, value in given.items():
         if value not in CHOICES[key]:
             raise ParityError(f"--engine-option {key}={value}: mlx-lm takes {', '.join(CHOICES[key])}")
-    if is_mlx_dir(candidate.path) and given:
-        raise ParityError(f"--engine-option {', '.join(given)}: {candidate.path} is already an mlx-lm conversion; "
+    if is_mlx_dir(path) and given:
+        raise ParityError(f"--engine-option {', '.join(given)}: {path} is already an mlx-lm conversion; "
                           f"convert the Hugging Face checkpoint instead (mlx:HF_DIR with the options)")
     if "bits" not in given and ("group_size" in given or "mode" in given):
         raise ParityError("--engine-option group_size/mode quantize: give bits too (e.g. bits=4)")
-    dtype = given.get("dtype") or str(candidate.dtype).removeprefix("torch.")
+    dtype = given.get("dtype") or dtype
     out = {"dtype": dtype}
     if "bits" in given:
         out.update(bits=int(given["bits"]), group_size=int(given["group_size"]) if "group_size" in given else None,
@@ -260,7 +267,7 @@ def _opened(candidate):
     if "bits" in conversion:
         candidate.notes.warn(f"the candidate is mlx-lm's {conversion['mode']} {conversion['bits']}-bit quantization "
                              f"of the checkpoint: its error includes the quantization's; to judge its conventions "
-                             f"alone, write it with mlx_lm.convert -q and check mlx:DIR --same-weights")
+                             f"alone, add --same-weights")
     model, _ = load(directory)
     resolved = candidate.ckpt.resolved
     taps = Taps(model, resolved.capture, resolved.variant.module_prefix)
@@ -276,12 +283,14 @@ def _summary(points: list[str]) -> str:
 
 
 def _refuse_other_weights(candidate, directory: Path) -> None:
-    """A --same-weights reference read back one conversion: the candidate must be that one."""
+    """A --same-weights reference read back one conversion: the candidate must be that one (the reference reads
+    a Hugging Face checkpoint's conversion at float32 unless --engine-option dtype names another; the runner at
+    the check's --dtype)."""
     held = Path(candidate.ckpt.path) / SAME_WEIGHTS
     if held.is_file() and json.loads(held.read_text()).get("model") != str(directory):
-        raise ParityError("--same-weights reads back the candidate at its default conversion; to judge a quantized "
-                          "conversion, write it with mlx_lm.convert -q --q-bits N and name that directory as "
-                          "mlx:DIR, without --engine-option")
+        raise ParityError(f"--same-weights read back mlx-lm's float32 conversion, but the check runs it at "
+                          f"{str(candidate.dtype).removeprefix('torch.')}: give --engine-option dtype="
+                          f"{str(candidate.dtype).removeprefix('torch.')} too, so both are one conversion")
 
 
 def make_runner(candidate, ids: torch.Tensor, feed):
@@ -340,11 +349,12 @@ BANDS = {8: 0.02, 6: 0.08, 5: 0.15, 4: 0.35, 3: 0.6, 2: 0.6}
 EXACT = 1e-6        # an unquantized tensor against the checkpoint's, rounded to the same dtype
 
 
-def same_weights(ckpt, path: Path, out: Path) -> dict:
-    """--same-weights: the mlx model's own weights, dequantized by mlx-lm (``dequantize_model``: mx.dequantize of
-    each quantized layer), written as a float32 reference checkpoint under the checkpoint's names and layout. Each
-    tensor is judged on its way back (BANDS, EXACT); one that is not a quantization of the checkpoint's is reported
-    and the reference keeps the checkpoint's own there, so that the check judges it."""
+def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
+    """--same-weights: the mlx model's own weights (a Hugging Face checkpoint's: the conversion its engine options
+    ask for, as the runner makes it), dequantized by mlx-lm (``dequantize_model``: mx.dequantize of each quantized
+    layer), written as a float32 reference checkpoint under the checkpoint's names and layout. Each tensor is
+    judged on its way back (BANDS, EXACT); one that is not a quantization of the checkpoint's is reported and the
+    reference keeps the checkpoint's own there, so that the check judges it."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
@@ -352,7 +362,7 @@ def same_weights(ckpt, path: Path, out: Path) -> dict:
     from ..gguf_weights import write_reference
     from ..lazy import Dequantizer
 
-    directory = model_dir(Path(path), {"dtype": "float32"})
+    directory = model_dir(Path(path), conversion_settings(Path(path), engine))
     with _LOCK:
         model, config = load(directory)
         quantized = {name.removesuffix(".scales") for name, _ in tree_flatten(model.parameters())
@@ -428,11 +438,14 @@ def _dtype_name(t: torch.Tensor) -> str:
     return {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(t.dtype, str(t.dtype))
 
 
-def describe(path: Path) -> dict:
+def describe(path: Path, engine: dict) -> dict:
     """What the report's candidate entry adds: the engine, whether mlx-lm wrote the directory, and its tensors by
-    type (read from the safetensors headers; a quantized matrix counted once, by its bits)."""
+    type (read from the safetensors headers; a quantized matrix counted once, by its bits). A Hugging Face
+    checkpoint with engine options is described by the conversion they ask for (made now if not yet cached)."""
     path = Path(path)
     mlx_written = is_mlx_dir(path)
+    if engine and not mlx_written:
+        path = model_dir(path, conversion_settings(path, engine))
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     quantization = config.get("quantization") or {}
     types: dict[str, int] = {}

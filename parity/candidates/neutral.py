@@ -65,7 +65,7 @@ def shapes(path: Path, adapter_dirs=()) -> list:
     return [info["shape"] for info in read_manifest(path)["tensors"].values()]
 
 
-def describe(path: Path) -> dict:
+def describe(path: Path, engine: dict | None = None) -> dict:
     """What the report's candidate entry adds: how a quantized source was dequantized by convert."""
     from ..manifest import read_manifest
 

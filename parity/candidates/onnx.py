@@ -331,7 +331,7 @@ def _shorten(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def describe(path: Path) -> dict:
+def describe(path: Path, engine: dict | None = None) -> dict:
     """What the report's candidate entry adds: the weights by how the graph stores them (parity.onnx_weights)."""
     from ..onnx_weights import tensor_types
 
@@ -339,7 +339,7 @@ def describe(path: Path) -> dict:
     return {"tensor_types": tensor_types(file)} if file is not None else {}
 
 
-def same_weights(ckpt, path: Path, out: Path) -> dict:
+def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dict:
     """--same-weights: the graph's own weights (dequantized where onnxruntime quantized them), and onnxruntime's
     arithmetic, as a reference (parity.onnx_weights)."""
     from ..onnx_weights import read_back

@@ -83,7 +83,11 @@ def validate(path: Path, adapter_dirs=()) -> None:
 def settings(options, dtype=None) -> dict:
     """The engine options, checked: {"precision", "kv_cache", "weights", "device"}; the precision follows the
     check's --dtype unless given (float32: OpenVINO checked at its own f32, whatever the CPU's default)."""
-    given = dict(getattr(options, "engine", ()) or ())
+    return checked(dict(getattr(options, "engine", ()) or ()), dtype)
+
+
+def checked(given: dict, dtype=None) -> dict:
+    """``settings`` of the engine options as a dict (what describe and same_weights are given)."""
     default = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "f32")
     precision = PRECISIONS.get(given.get("precision", default).lower())
     if precision is None:
@@ -99,8 +103,9 @@ def settings(options, dtype=None) -> dict:
             "device": given.get("device", "CPU")}
 
 
-def model_xml(path: Path, adapter_dirs, chosen: dict) -> Path:
-    """The IR to run: the one named, or the checkpoint converted by OpenVINO (cached per weights setting)."""
+def model_xml(path: Path, adapter_dirs, chosen: dict, source=None) -> Path:
+    """The IR to run: the one named, or the checkpoint converted by OpenVINO (cached per weights setting; the
+    checkpoint opened with ``adapter_dirs`` unless ``source`` is it, opened)."""
     xml = ir_file(path)
     if xml is not None:
         if chosen["weights"]:
@@ -111,7 +116,7 @@ def model_xml(path: Path, adapter_dirs, chosen: dict) -> Path:
     from ..checkpoint import open_checkpoint
     from ..openvino_graph import export
 
-    source = open_checkpoint(Path(path), adapter_dirs)
+    source = source if source is not None else open_checkpoint(Path(path), adapter_dirs)
     weights = chosen["weights"]
     version = ov.get_version() + (f" nncf {_nncf().__version__}" if weights else "")
     out = converted("openvino", Path(path), {"weights": weights}, version,
@@ -317,12 +322,16 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     return run
 
 
-def describe(path: Path) -> dict:
-    """What the report's candidate entry adds: the IR, or for a checkpoint the IRs OpenVINO converted it into
-    (the cache: name one as the candidate for --same-weights)."""
+def describe(path: Path, engine: dict) -> dict:
+    """What the report's candidate entry adds: the IR, or for a checkpoint the weights setting it is converted at
+    and the IRs OpenVINO converted it into (the cache). A checkpoint converted without compression keeps its
+    weights (tensor_types: none quantized); with --engine-option weights, --calibrate reads them back."""
     xml = ir_file(path)
     if xml is None:
-        return {"source": "huggingface", "converter": "openvino.convert_model", "converted": conversions(path)}
+        weights = checked(engine)["weights"]
+        out = {"source": "huggingface", "converter": "openvino.convert_model", "weights": weights or "none",
+               "converted": conversions(path)}
+        return out if weights else {**out, "tensor_types": {}}
     meta = xml.parent / "parity-conversion.json"
     out = {"source": "ir", "ir": str(xml)}
     if meta.is_file():
@@ -343,14 +352,25 @@ def conversions(path: Path) -> dict[str, str]:
     return found
 
 
-def same_weights(ckpt, path: Path, out: Path) -> dict:
-    """--same-weights: the IR's own weights (decompressed where NNCF compressed them) as a reference."""
+def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
+    """--same-weights: the IR's own weights (decompressed where NNCF compressed them) as a reference; for a
+    checkpoint, those of the IR it is converted into at its --engine-option weights (the runner's, from the same
+    cache; converted now if not yet)."""
     from ..openvino_graph import read_back
 
+    chosen = checked(engine)
     xml = ir_file(path)
-    if xml is None:
-        made = conversions(Path(path))
-        raise ParityError(f"--same-weights reads an OpenVINO IR's weights back; {path} is a checkpoint: name its IR "
-                          f"as the candidate (openvino:DIR; converted here: "
-                          f"{', '.join(f'{k}: {Path(v).parent}' for k, v in made.items()) or 'none yet, run the check once'})")
+    if xml is None or chosen["weights"]:  # an IR with weights= is refused there: it is compressed when converted
+        xml = model_xml(Path(path), (), chosen, _source(ckpt, Path(path)) if xml is None else None)
     return read_back(ckpt, xml, Path(out))
+
+
+def _source(ckpt, path: Path):
+    """The candidate checkpoint opened as the runner opens it: the reference's own when it is the same directory,
+    else with the reference's adapter among the known ones (the adapter directories are not passed here)."""
+    from ..adapter_files import load_all
+    from ..checkpoint import open_checkpoint
+
+    if Path(path).resolve() == Path(ckpt.path).resolve():
+        return ckpt
+    return open_checkpoint(path, adapters={**load_all(), ckpt.adapter.family: ckpt.adapter})

@@ -181,7 +181,8 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
         stream = not truth.stored and would_not_fit(ckpt, dtype, calibrate, device, shapes, candidate_device)
     # a same-weights reference computes on the file's own weights: its noise is the engine's arithmetic, or, where
     # the engine computes in float32 (nothing to emulate), float32's own noise, as for an unquantized candidate
-    quantized = calibrate and not truth.stored and not same_weights and _quantized(kind, Path(candidate))
+    quantized = (calibrate and not truth.stored and not same_weights
+                 and _quantized(kind, Path(candidate), dict(options.engine)))
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
     weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
     return Plan(truth, side, dtype, layerwise, isolate, calibrate, quantized, arithmetic, tolerances, inputs, span,
@@ -231,16 +232,23 @@ def _candidate_options(kind: Kind, *, provider, maps, layerwise: bool, inject: s
         raise ParityError(f"--candidate-attn and --compile apply to Hugging Face candidates run by transformers; "
                           f"this candidate is {kind.name}")
     parsed = _pairs("--map", maps, "POINT=VALUE, e.g. layers.0.out=/model/layers.0/Add_1_output_0")
-    given_engine = _pairs("--engine-option", engine, "KEY=VALUE, e.g. bits=4")
-    known = dict(kind.engine_options)
-    for key in given_engine:
-        if key not in known:
-            raise ParityError(f"--engine-option {key}: a {kind.name} candidate reads "
-                              + (f"only {', '.join(f'{k} ({v})' for k, v in known.items())}" if known else "none"))
+    given_engine = engine_options(kind, engine)
     given = {"layerwise": layerwise, "provider": provider, "map": tuple(sorted(parsed.items())), "inject": inject,
              "layers": range(span.start, span.stop), "last": span.stop - 1 if span.stop < span.of else None,
              "attn": attn, "compile": compile, "engine": tuple(sorted(given_engine.items()))}
     return Options(**{name: value for name, value in given.items() if name in kind.options})
+
+
+def engine_options(kind: Kind, items) -> dict[str, str]:
+    """--engine-option KEY=VALUE items parsed into {key: value}, each key checked against its kind's
+    ENGINE_OPTIONS (what the plan gives the runner, and --same-weights the kind before the plan exists)."""
+    given = _pairs("--engine-option", items, "KEY=VALUE, e.g. bits=4")
+    known = dict(kind.engine_options)
+    for key in given:
+        if key not in known:
+            raise ParityError(f"--engine-option {key}: a {kind.name} candidate reads "
+                              + (f"only {', '.join(f'{k} ({v})' for k, v in known.items())}" if known else "none"))
+    return given
 
 
 def _pairs(option: str, items, example: str) -> dict[str, str]:
@@ -253,10 +261,11 @@ def _pairs(option: str, items, example: str) -> dict[str, str]:
     return parsed
 
 
-def _quantized(kind: Kind, path: Path) -> bool:
-    """A candidate whose noise is its quantization: one that can give its own weights back, unless its header says
-    every tensor is float32 (its noise is then the usual precision noise)."""
+def _quantized(kind: Kind, path: Path, engine: dict[str, str]) -> bool:
+    """A candidate whose noise is its quantization: one that can give its own weights back, unless its header (or
+    the conversion its engine options ask for) says every tensor is float32 (its noise is then the usual precision
+    noise)."""
     if kind.same_weights is None:
         return False
-    types = (kind.describe(path) if kind.describe is not None else {}).get("tensor_types")
+    types = (kind.describe(path, engine) if kind.describe is not None else {}).get("tensor_types")
     return types is None or bool(set(types) - {"F32"})

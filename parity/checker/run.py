@@ -27,7 +27,7 @@ from ..lengths import exercised
 from ..models import Models, first_device
 from ..report import Report
 from .judge import merge
-from .plan import Plan, make_plan
+from .plan import Plan, engine_options, make_plan
 from .prefill import PromptCheck
 from .sides import candidate_kind, open_reference
 
@@ -193,7 +193,8 @@ def _quantization_weights(plan: Plan, models: Models, report: Report,
     say("reading the candidate's own weights back, to measure what its quantization costs")
     tmp = Path(tempfile.mkdtemp(prefix="parity-quantization-"))
     try:
-        held = plan.kind.same_weights(plan.checkpoint, plan.candidate.path, tmp)
+        held = plan.kind.same_weights(plan.checkpoint, plan.candidate.path, tmp,
+                                      dict(plan.candidate.options.engine))
         report.warnings += not_quantizations(held)
         noisy = open_checkpoint(tmp, plan.adapter_dirs)
         models.hf(noisy, torch.float32, "calibration")  # loaded now: the directory is removed below
@@ -233,9 +234,10 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
     if open_reference(Path(reference), adapter_dirs).stored:
         raise ParityError("--same-weights needs a Hugging Face --reference (its config and model class); a golden "
                           "holds activations, not a model")
+    engine = engine_options(kind, options.get("engine_options") or ())  # the conversion the runner will make
     ckpt = open_checkpoint(Path(reference), adapter_dirs)
     with tempfile.TemporaryDirectory(prefix="parity-same-weights-") as tmp:
-        held = kind.same_weights(ckpt, path, Path(tmp))
+        held = kind.same_weights(ckpt, path, Path(tmp), engine)
         report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, arithmetic=Arithmetic.load(Path(tmp)),
                        same_weights=True, **options)
     # the reference the user named, built from the candidate's weights (and computing as its engine does)

@@ -144,7 +144,7 @@ class CandidateSide:
     def describe(self) -> dict:
         out = {"kind": self.kind.name, "path": str(self.path)}
         if self.kind.describe is not None:
-            out.update(self.kind.describe(self.path))
+            out.update(self.kind.describe(self.path, dict(self.options.engine)))
         return out
 
     def _candidate(self, models: Models) -> Candidate:
