@@ -52,7 +52,6 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     import gguf
 
     from .checkpoint import stored_tensor_map
-    from .compare import metrics
     from .gguf_export import neutral_name
     from .gguf_file import open_gguf
     from .lazy import Dequantizer
@@ -99,13 +98,9 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
         expected = original + 1.0 if t.norm_offset else original  # llama.cpp's file holds 1 + w
         if layer is not None:
             expected = restyle_rope(name, expected, layer, source_style, spec.rope_style)
-        if kind in UNQUANTIZED:
-            expected = expected.to(UNQUANTIZED[kind]).float()
-        error = metrics(stored, expected)["rel_l2"] if stored.shape == expected.shape else float("inf")
-        differing = 0.0
-        if error <= band(kind) and kind in REQUANTIZABLE and not imatrix:
-            differing = requantized_blocks(stored, expected, kind)
-            requantized[kind] = requantized.get(kind, 0) + (differing == 0)
+        error, differing = judged(stored, expected, kind, imatrix)
+        if differing == 0.0 and kind in REQUANTIZABLE and not imatrix:
+            requantized[kind] = requantized.get(kind, 0) + 1
         if differing:  # a quantization, but not of the checkpoint's tensor: some other input was quantized
             blocks[hf_name] = differing
         if differing or not error <= band(kind):
@@ -121,17 +116,36 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
             if mins is not None:
                 arithmetic.mins[module] = to_checkpoint(mins)
     if "output.weight" not in names and "token_embd.weight" in names:
-        # tied: llama.cpp multiplies the final norm's output by token_embd, whose type rounds that input too
-        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        kind = gguf.GGMLQuantizationType(embd.tensor_type).name
-        arithmetic.matmuls[OUTPUT] = kind
-        mins = block_mins(embd.data, kind)
-        if mins is not None:
-            arithmetic.mins[OUTPUT] = mins
+        _tied_output(reader, arithmetic)
     write_reference(ckpt, Path(out), out_tensors, arithmetic, untie="output.weight" in names)
     return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong,
             "requantized": requantized, "blocks_not_requantized": blocks, "importance_matrix": imatrix,
             "bands": {kind: band(kind) for kind in sorted(types) if kind not in REQUANTIZABLE or imatrix}}
+
+
+def _tied_output(reader, arithmetic: Arithmetic) -> None:
+    """A tied head: llama.cpp multiplies the final norm's output by token_embd, whose type rounds that input too."""
+    import gguf
+
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    kind = gguf.GGMLQuantizationType(embd.tensor_type).name
+    arithmetic.matmuls[OUTPUT] = kind
+    mins = block_mins(embd.data, kind)
+    if mins is not None:
+        arithmetic.mins[OUTPUT] = mins
+
+
+def judged(stored: torch.Tensor, expected: torch.Tensor, kind: str, imatrix: bool) -> tuple[float, float]:
+    """A tensor read back from the file against the checkpoint's (laid out as the file holds it): its rel_l2, and
+    the fraction of its blocks that are not the checkpoint's quantized again (0 where that cannot be told)."""
+    from .compare import metrics
+
+    if kind in UNQUANTIZED:
+        expected = expected.to(UNQUANTIZED[kind]).float()
+    error = metrics(stored, expected)["rel_l2"] if stored.shape == expected.shape else float("inf")
+    if error <= band(kind) and kind in REQUANTIZABLE and not imatrix:
+        return error, requantized_blocks(stored, expected, kind)
+    return error, 0.0
 
 
 def requantized_blocks(stored: torch.Tensor, expected: torch.Tensor, kind: str) -> float:

@@ -11,6 +11,7 @@ import gc
 import queue
 import threading
 import weakref
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -106,10 +107,12 @@ class Stream:
         self.buffer.clear()
 
 
-def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device: str = "cpu"):
+def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device: str = "cpu", attn: str = "eager",
+             compile: bool = False):
     """transformers' model for the checkpoint: whole (``from_pretrained``), or streamed a layer at a time
     (parity.lazy). ``device`` "auto" with several GPUs spreads a whole model over them (accelerate's
-    device_map)."""
+    device_map). ``attn``: transformers' attention implementation (a candidate's kernel; the reference is eager);
+    ``compile``: what runs between capture points is compiled (compile_between_points)."""
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -125,17 +128,75 @@ def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device:
         if stream:
             from .lazy import streamed_hf
 
-            return streamed_hf(cls, ckpt, dtype, device, **extra)
-        place = {} if device == "cpu" else {"device_map": device}
-        return cls.from_pretrained(ckpt.path, attn_implementation="eager", dtype=dtype, **place, **extra).eval()
+            model = streamed_hf(cls, ckpt, dtype, device, **extra)
+            if attn != "eager":
+                model.set_attn_implementation(attn)
+        else:
+            place = {} if device == "cpu" else {"device_map": device}
+            model = cls.from_pretrained(ckpt.path, attn_implementation=attn, dtype=dtype, **place, **extra).eval()
     except (MemoryError, ParityError):
         raise
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a damaged checkpoint
         text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
         if "allocate" in text:  # the CPU allocator's out-of-memory error: the CLI says so
             raise
+        if attn != "eager":  # e.g. a kernel this architecture does not support, or one not installed here
+            raise ParityError(f"{ckpt.path}: transformers {transformers.__version__} cannot run {architecture} with "
+                              f"attn_implementation={attn!r} ({type(exc).__name__}: {text[:200]}); choose another "
+                              f"--candidate-attn") from None
         raise ParityError(f"{ckpt.path}: transformers could not load it as {architecture} ({type(exc).__name__}: "
                           f"{text[:200]}); check that its config and weights belong together") from None
+    if compile:
+        compile_between_points(model, {c.module for c in ckpt.resolved.capture}, ckpt.resolved.num_layers)
+    return model
+
+
+def compile_between_points(model, hooked: set[str], layers: int) -> list[str]:
+    """torch.compile each module holding no capture point inside it (attention, MLP, norms, ...), the largest such:
+    a compiled region runs hooks as traced code (a hook handing a tensor to another thread breaks the graph, each
+    hook's closure recompiles the frame), so the hooks stay outside it, on the modules whose forward is compiled.
+    What runs between those modules (a residual add) stays eager. Returns the paths compiled."""
+    inside = {""}  # modules with a hooked module strictly below them
+    for path in hooked:
+        parts = path.split(".") if path else []
+        inside.update(".".join(parts[:k]) for k in range(len(parts)))
+    compiled = []
+    for path, module in model.named_modules():
+        parent = path.rpartition(".")[0]
+        if path in inside or parent not in inside or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue
+        if not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
+            continue  # dropout, activations: nothing to fuse that is not in a compiled neighbour
+        module.forward = _compiled(module.forward, layers)
+        compiled.append(path)
+    return compiled
+
+
+def _compiled(forward, layers: int):
+    """``forward`` under torch.compile. Each layer's module compiles its own variant (its layer index, its kind of
+    attention are guarded constants; decode steps add a dynamic shape): dynamo's limit of 8 would leave every layer
+    past the eighth running eagerly, silently, so the limit is raised for these calls, and hitting it raises."""
+    import functools
+
+    compiled = torch.compile(forward)
+
+    @functools.wraps(forward)  # its signature: capture hooks find their argument by name
+    def run(*args, **kwargs):
+        with compile_limits(layers):
+            return compiled(*args, **kwargs)
+
+    return run
+
+
+def compile_limits(layers: int):
+    """A context raising dynamo's recompile limit to what a model of ``layers`` layers compiles (a variant per
+    layer, and per shape when decoding; transformers' flex_attention compiles one per mask), where hitting it
+    raises instead of running the rest eagerly, unsaid."""
+    import torch._dynamo
+
+    limit = 4 * layers + 8
+    return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit),
+                                      fail_on_recompile_limit_hit=True)
 
 
 def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
@@ -270,12 +331,15 @@ class Models:
                        "candidate": candidate_device}
         self.loaded: dict = {}   # (kind, path, dtype, ...) -> a loaded model; candidate kinds cache theirs here too
 
-    def hf(self, ckpt: Checkpoint, dtype: torch.dtype, role: str = "reference"):
+    def hf(self, ckpt: Checkpoint, dtype: torch.dtype, role: str = "reference", attn: str = "eager",
+           compile: bool = False):
         # one instance per role: the reference runs in another thread with its own hooks, so a
-        # candidate that is the same checkpoint must not share its modules
-        key = ("hf", str(ckpt.path), dtype, role)
+        # candidate that is the same checkpoint must not share its modules; the kernel is in the key, so a
+        # candidate's sdpa never reaches the (eager) reference
+        key = ("hf", str(ckpt.path), dtype, role, attn, compile)
         if key not in self.loaded:
-            self.loaded[key] = _load_hf(ckpt, dtype, self.stream, self.device.get(role, self.device["reference"]))
+            self.loaded[key] = _load_hf(ckpt, dtype, self.stream, self.device.get(role, self.device["reference"]),
+                                        attn, compile)
         return self.loaded[key]
 
     def release(self, role: str) -> None:
@@ -301,12 +365,13 @@ def trim_heap() -> None:
 
 def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
               role: str = "reference", points: set[str] | None = None, on_layer: Callable[[int], None] | None = None,
-              last: int | None = None, arithmetic=None):
+              last: int | None = None, arithmetic=None, attn: str = "eager", compile: bool = False):
     """A function that runs a transformers checkpoint and emits its capture points (only ``points``, when
     given: nothing else is hooked, so nothing else is held). ``on_layer(i)`` is told when layer i is done;
     with ``last``, the forward stops after that layer (a slice of a check needs nothing beyond it);
-    ``arithmetic`` (parity.ggml.Arithmetic): computed as that engine computes."""
-    model = models.hf(ckpt, dtype, role)
+    ``arithmetic`` (parity.ggml.Arithmetic): computed as that engine computes; ``attn``, ``compile``: the
+    attention kernel and torch.compile (Models.hf)."""
+    model = models.hf(ckpt, dtype, role, attn, compile)
     capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
     layer_paths = {c.name: c.module for c in ckpt.resolved.capture}
     device = models.device.get(role, models.device["reference"])
@@ -317,7 +382,8 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
 
         # capture hooks first: a layer's input is reported as computed, then replaced when isolating
         engine = arithmetic.emulate(model) if hasattr(arithmetic, "emulate") else emulate(model, arithmetic)
-        with hooks(model, capture, emit), engine, torch.no_grad():
+        limits = compile_limits(ckpt.resolved.num_layers) if attn != "eager" or compile else nullcontext()
+        with hooks(model, capture, emit), engine, limits, torch.no_grad():
             handles = _isolation_hooks(model, ckpt, feed) if feed is not None else []
             if on_layer is not None:
                 for i in range(ckpt.resolved.num_layers):
@@ -348,17 +414,18 @@ def cached_forward(model, ids: torch.Tensor, cache=None):
 
 
 def hf_decoder(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int],
-               role: str = "candidate"):
+               role: str = "candidate", attn: str = "eager", compile: bool = False):
     """A function that runs the prompt, then each token as one decode step with transformers' cache, and emits
     each step's capture points as ``emit(step, name, tensor)`` (step 0: the prompt)."""
-    model = models.hf(ckpt, dtype, role)
+    model = models.hf(ckpt, dtype, role, attn, compile)
     device = first_device(model, models.device.get(role, models.device["reference"]))
 
     def run(emit: Callable[[int, str, torch.Tensor], None]) -> None:
         from .capture import hooks
 
         step = 0
-        with hooks(model, ckpt.resolved.capture, lambda name, t: emit(step, name, t)), torch.no_grad():
+        limits = compile_limits(ckpt.resolved.num_layers) if attn != "eager" or compile else nullcontext()
+        with hooks(model, ckpt.resolved.capture, lambda name, t: emit(step, name, t)), limits, torch.no_grad():
             _, cache = cached_forward(model, ids.to(device))
             for step, token in enumerate(tokens, 1):
                 _, cache = cached_forward(model, torch.tensor([[token]], device=device), cache)

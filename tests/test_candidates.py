@@ -42,7 +42,12 @@ def test_the_check_imports_no_candidate_module():
 def test_every_kind_module_states_the_protocol():
     for name, kind in candidates.kinds().items():
         assert kind.name == name and callable(kind.detect) and callable(kind.make_runner)
-    assert set(candidates.kinds()) == {"dump", "onnx", "gguf", "golden", "neutral", "transformers"}
+    assert set(candidates.kinds()) == {"dump", "onnx", "gguf", "golden", "neutral", "transformers", "mlx",
+                                       "ctranslate2", "openvino", "python"}
+    engines = {k.name for k in candidates.kinds().values() if k.explicit}  # taken only as KIND:PATH
+    assert engines == {"mlx", "ctranslate2", "openvino", "python"}
+    needs = {k.name: k.requires[1] for k in candidates.kinds().values() if k.requires is not None}
+    assert needs == {"mlx": "mlx", "ctranslate2": "ctranslate2", "openvino": "openvino"}  # the extra to install
 
 
 def test_a_new_engine_is_one_module_and_one_line(tmp_path, tiny_dir, monkeypatch):

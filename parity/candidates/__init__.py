@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 # Detection order: the first kind whose detect() accepts a path runs it. Engines come last: taken only when named.
 KINDS = ("dump", "onnx", "gguf", "golden", "neutral", "huggingface")
-ENGINES: tuple[str, ...] = ("mlx", "ctranslate2", "openvino")
+ENGINES: tuple[str, ...] = ("mlx", "ctranslate2", "openvino", "python_engine")
 
 
 @dataclass(frozen=True)
