@@ -314,7 +314,8 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
                    "or a golden (parity golden record).")
 @click.option("--candidate", required=True, type=click.Path(path_type=Path),
               help="A neutral directory (parity convert), another Hugging Face checkpoint directory, "
-                   "an engine dump (.safetensors, docs/dumps.md), an ONNX model (.onnx), a GGUF file, or "
+                   "an engine dump (.safetensors, or a directory of rank*.safetensors from a tensor-parallel run; "
+                   "docs/dumps.md), an ONNX model (.onnx), a GGUF file, or "
                    "KIND:PATH for an engine that runs a checkpoint its own way (`parity engines` lists them).")
 @click.option("--layerwise", is_flag=True, help="Compare every capture point, not only the final output.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
@@ -459,18 +460,9 @@ def bugs_cmd(as_json):
 def engines_cmd(as_json):
     """The candidate kinds: how each is taken (found by its files, or named as KIND:PATH), what it can do, its
     --engine-option keys, and whether its engine is installed here."""
-    import importlib.util
+    from .checker.sides import kind_rows
 
-    from . import candidates
-
-    rows = []
-    for kind in candidates.kinds().values():
-        installed = kind.requires is None or importlib.util.find_spec(kind.requires[0]) is not None
-        rows.append({"kind": kind.name, "named_as": [kind.name, *kind.aliases] if kind.explicit else None,
-                     "isolates": kind.isolates, "decodes": kind.make_decoder is not None,
-                     "same_weights": kind.same_weights is not None, "options": dict(kind.engine_options),
-                     "installed": installed,
-                     "install": None if installed else f"pip install 'parity[{kind.requires[1]}]'"})
+    rows = kind_rows()
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return

@@ -12,7 +12,10 @@ Decode steps (``check --decode N``): the tokens the engine was fed one at a time
 KV cache, are JSON under ``decode_tokens`` (and their count under ``steps``), and each point's steps are one
 stacked tensor ``decode.{point}`` of shape [1, steps, width], step k at index k - 1.
 
-parity.candidates.dump makes these files a candidate kind.
+A tensor-parallel run writes one dump per rank into a directory, with its shard layout in each file's metadata:
+parity.dumps_tp merges them point by point, and the directory is checked like one file.
+
+parity.candidates.dump makes these files (and directories of rank dumps) a candidate kind.
 """
 
 from __future__ import annotations
@@ -115,11 +118,7 @@ def parse_ids(raw: str, path: Path) -> list[list[int]]:
 
 def read_ids(path: Path) -> list[list[int]]:
     """The ids stored in a dump's metadata, one list per batch row."""
-    raw = read_header(path, FIX).metadata.get(INPUT_IDS)
-    if raw is None:
-        raise ParityError(f"{path}: no {INPUT_IDS!r} in the metadata; store the token ids the engine ran as JSON "
-                          f"(docs/dumps.md)")
-    return parse_ids(raw, path)
+    return _ids_of(FileDump(path))
 
 
 def _expected(name: str, capture: set[str], num_layers: int) -> bool:
@@ -138,14 +137,38 @@ def _widths(ckpt) -> tuple[int, int]:
     return next(t.shape for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))
 
 
-def dump_runner(candidate, ids: torch.Tensor, feed):
-    """Replays a dump as a candidate run: its points, in forward order, after checking its ids and shapes."""
+class FileDump:
+    """One dump file: its header, and ``open()`` for its tensors (a directory of rank dumps: parity.dumps_tp's
+    RankDumps, read the same way)."""
+
+    def __init__(self, path: Path):
+        self.path, self.header = Path(path), read_header(path, FIX)
+
+    def open(self):
+        return safe_open(self.path, framework="pt")
+
+    def note(self, name: str) -> str:
+        return ""
+
+
+def _ids_of(dump) -> list[list[int]]:
+    raw = dump.header.metadata.get(INPUT_IDS)
+    if raw is None:
+        raise ParityError(f"{dump.path}: no {INPUT_IDS!r} in the metadata; store the token ids the engine ran as JSON "
+                          f"(docs/dumps.md)")
+    return parse_ids(raw, dump.path)
+
+
+def dump_runner(candidate, ids: torch.Tensor, feed, dump=None):
+    """Replays a dump (``dump``, else the file at the candidate's path) as a candidate run: its points, in forward
+    order, after checking its ids and shapes."""
     path, ckpt = candidate.path, candidate.ckpt
     if feed is not None:
         raise ParityError(f"--candidate {path}: a dump holds one free run and cannot be fed the reference's layer "
                           f"inputs; drop --isolate")
-    header = read_header(path, FIX)
-    dumped, expected = read_ids(path), _rows(ids)
+    dump = dump or FileDump(path)
+    header = dump.header
+    dumped, expected = _ids_of(dump), _rows(ids)
     if dumped != expected:
         got, want = dumped[0], expected[0]
         where = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
@@ -176,7 +199,7 @@ def dump_runner(candidate, ids: torch.Tensor, feed):
         if not fits:
             raise ParityError(f"--candidate {path}: {name} has shape {shape}, expected [batch={batch}, seq={seq}, "
                               f"{'vocab' if name == 'logits' else 'hidden'}={width}] for these ids and this "
-                              f"{ckpt.resolved.family} model (docs/dumps.md)")
+                              f"{ckpt.resolved.family} model{dump.note(name)} (docs/dumps.md)")
         if name == "logits" and shape[2] > width:
             padded = shape[2]
     if padded is not None:
@@ -185,7 +208,7 @@ def dump_runner(candidate, ids: torch.Tensor, feed):
     stored.sort(key=names.point_order)
 
     def run(emit) -> None:
-        with safe_open(path, framework="pt") as handle:
+        with dump.open() as handle:
             for name in stored:
                 t = handle.get_tensor(name)
                 emit(name, t[..., :vocab] if name == "logits" else t)  # an engine's vocabulary padding is dropped
@@ -197,18 +220,19 @@ def is_dump(path: Path) -> bool:
     return Path(path).suffix == SUFFIX and Path(path).is_file()
 
 
-def dump_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
+def dump_decoder(candidate, ids: torch.Tensor, tokens: list[int], dump=None):
     """Replays a dump's decode steps (``decode.{point}``, stacked) as a candidate's: after checking that the
     engine ran these ids and was fed these tokens, and each stacked tensor's shape."""
     path, ckpt = candidate.path, candidate.ckpt
-    header = read_header(path, FIX)
-    dump_runner(candidate, ids, None)  # the prompt's ids and points, checked
+    dump = dump or FileDump(path)
+    header = dump.header
+    dump_runner(candidate, ids, None, dump)  # the prompt's ids and points, checked
     raw = header.metadata.get(DECODE_TOKENS)
     if raw is None:
         raise ParityError(f"--candidate {path}: the dump holds no decode steps (no {DECODE_TOKENS!r} metadata); run "
                           f"the engine on `parity inputs REFERENCE --decode {len(tokens)} -o inputs.json`, feeding "
                           f"the decode tokens one at a time (docs/dumps.md)")
-    fed = parse_ids(raw, path)[0]
+    fed = parse_ids(raw, dump.path)[0]
     if header.metadata.get(STEPS) not in (None, str(len(fed))):
         raise ParityError(f"--candidate {path}: metadata {STEPS!r} is {header.metadata[STEPS]!r} for "
                           f"{len(fed)} decode tokens; {FIX}")
@@ -234,11 +258,11 @@ def dump_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
         if entry.dtype not in FLOAT_DTYPES or len(shape) != 3 or shape[:2] != [1, len(fed)] or \
                 (shape[2] < width if name == "logits" else shape[2] != width):
             raise ParityError(f"--candidate {path}: {key} is {entry.dtype} {shape}, expected a float tensor of shape "
-                              f"[1, steps={len(fed)}, {width}] (docs/dumps.md)")
+                              f"[1, steps={len(fed)}, {width}]{dump.note(key)} (docs/dumps.md)")
         stacked[name] = key
 
     def run(emit) -> None:
-        with safe_open(path, framework="pt") as handle:
+        with dump.open() as handle:
             steps = {name: handle.get_tensor(key)[..., :vocab] if name == "logits" else handle.get_tensor(key)
                      for name, key in stacked.items()}
         for step in range(1, len(tokens) + 1):

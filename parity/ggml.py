@@ -152,10 +152,8 @@ class Arithmetic:
         if not found.is_file():
             return None
         data = json.loads(found.read_text())
-        if str(data.get("engine", "")).startswith("onnxruntime"):  # an ONNX file quantized by onnxruntime
-            from .ort_arithmetic import OrtArithmetic
-
-            return OrtArithmetic.from_json(data)
+        if str(data.get("engine", "")).startswith("onnxruntime"):  # parity.ort_arithmetic.OrtArithmetic.load's
+            return None
         mins = load_file(str(Path(path) / MINS_FILE)) if (Path(path) / MINS_FILE).is_file() else {}
         return Arithmetic(dict(data["matmuls"]), mins, bool(data["gelu_table"]), data["engine"])
 

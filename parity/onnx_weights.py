@@ -251,15 +251,12 @@ QUANTIZED_OPS = {"MatMulInteger", "MatMulNBits", "DynamicQuantizeLinear", "Quant
                  "QLinearMatMul", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "GatherBlockQuantized"}
 
 
-def tensor_types(path: Path) -> dict[str, int]:
-    """How many weights a graph stores of each kind, from its protobuf alone (external data is not read). A graph
+def tensor_types(model) -> dict[str, int]:
+    """How many weights a graph (its ModelProto, read without external data) stores of each kind. A graph
     without quantization ops reports its weights as "F32": unquantized, so that ``--calibrate`` keeps the
     check's precision noise (parity.checker.plan reads F32 so) even for a float16 graph."""
     import onnx
 
-    from .candidates.onnx import open_model
-
-    model = open_model(path)  # refuses an unreadable file in one line, before anything else reads it
     inits = model.graph.initializer
     if not any(node.op_type in QUANTIZED_OPS for node in model.graph.node):
         return {"F32": len(inits)}

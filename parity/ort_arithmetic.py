@@ -126,6 +126,16 @@ class OrtArithmetic:
                                                   "points": self.points}))
 
     @staticmethod
+    def load(path: Path) -> OrtArithmetic | None:
+        """The onnxruntime arithmetic saved beside a same-weights reference, or None where there is none (or
+        llama.cpp's: parity.ggml.Arithmetic.load)."""
+        from .ggml import FILE
+
+        found = Path(path) / FILE
+        data = json.loads(found.read_text()) if found.is_file() else {}
+        return OrtArithmetic.from_json(data) if str(data.get("engine", "")).startswith("onnxruntime") else None
+
+    @staticmethod
     def from_json(data: dict) -> OrtArithmetic:
         return OrtArithmetic(dict(data["matmuls"]), dict(data.get("points") or {}), data["engine"])
 

@@ -175,6 +175,31 @@ def dump_with(tmp: Path, b: Built, change: Callable[[dict], None] | None = None,
     return check(tmp, b.golden, path)
 
 
+def ranks_with(tmp: Path, b: Built, size: int = 2, change: Callable[[list], None] | None = None,
+               retag: dict[int, dict | None] | None = None) -> list[str]:
+    """The correct dump as a tensor-parallel run's ranks (logits split by columns, the rest replicated), with the
+    ranks' tensors changed, a rank's metadata changed (``retag``: rank -> keys) or a rank left out (None)."""
+    tensors, ranks = load_file(b.dump), []
+    for r in range(size):
+        ranks.append({n: (t.tensor_split(size, dim=-1)[r] if n == "logits" else t).contiguous()
+                      for n, t in tensors.items()})
+    if change is not None:
+        change(ranks)
+    d = tmp / "ranks"
+    d.mkdir()
+    for r, rank in enumerate(ranks):
+        extra = (retag or {}).get(r, {})
+        if extra is not None:
+            save_file(rank, d / f"rank{r}.safetensors", metadata={
+                "input_ids": json.dumps(b.ids), "tp_rank": str(r), "tp_size": str(size),
+                "tp_layout": json.dumps({"logits": "column"}), **extra})
+    return check(tmp, b.golden, d)
+
+
+def _drift_rank1(ranks: list) -> None:
+    ranks[1]["layers.0.out"] = ranks[1]["layers.0.out"] * 1.01
+
+
 def onnx_model(tmp: Path, location: str | None = "weights.data", data: bytes | None = None) -> Path:
     """A small valid ONNX model (out = w + w) with its initializer kept as external data at ``location``."""
     import onnx
@@ -446,6 +471,18 @@ BAD_INPUTS: list[Case] = [
     Case("engine dump holding integer activations", lambda t, b: dump_with(t, b, _ints), "embed is I32"),
     Case("engine dump with --isolate", lambda t, b: check(t, b.golden, b.dump, "--isolate"),
          "cannot be fed the reference's layer inputs"),
+    Case("tensor-parallel dump directory missing a rank", lambda t, b: ranks_with(t, b, 4, retag={2: None}),
+         "tp_size is 4 but missing rank2.safetensors"),
+    Case("tensor-parallel rank dumps disagreeing on tp_size",
+         lambda t, b: ranks_with(t, b, retag={1: {"tp_size": "4"}}), "the ranks disagree on tp_size"),
+    Case("tensor-parallel rank dump whose tp_rank is not an integer",
+         lambda t, b: ranks_with(t, b, retag={1: {"tp_rank": "one"}}),
+         "rank1.safetensors has tp_rank 'one' in its metadata"),
+    Case("tensor-parallel layout naming an unknown shard",
+         lambda t, b: ranks_with(t, b, retag={0: {"tp_layout": '{"logits": "vocab"}'}}),
+         "must be a JSON object of point -> one of replicated, column, row"),
+    Case("tensor-parallel replicated point differing between ranks", lambda t, b: ranks_with(t, b, change=_drift_rank1),
+         "layers.0.out is declared replicated but rank1 differs from rank0"),
     # an ONNX candidate
     Case("ONNX file of garbage bytes",
          lambda t, b: check(t, b.golden, write(t / "m.onnx", b"\x08\x07garbage" * 9)),

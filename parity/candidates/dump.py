@@ -1,8 +1,28 @@
-"""Engine dumps: a safetensors file of capture points an engine wrote (docs/dumps.md; the format is parity.dumps)."""
+"""Engine dumps: a safetensors file of capture points an engine wrote, or a directory of a tensor-parallel run's
+rank dumps merged by their declared shard layout (docs/dumps.md; the format is parity.dumps, the merge
+parity.dumps_tp)."""
 
 from __future__ import annotations
 
-from ..dumps import (  # noqa: F401 - the kind's protocol
-    dump_decoder as make_decoder, dump_runner as make_runner, is_dump as detect)
+from pathlib import Path
+
+from ..dumps import FileDump, dump_decoder, dump_runner, is_dump
+from ..dumps_tp import RankDumps, is_rank_dir
 
 KIND = "dump"
+
+
+def detect(path: Path) -> bool:
+    return is_dump(path) or is_rank_dir(path)
+
+
+def _dump(path: Path):
+    return RankDumps(Path(path)) if Path(path).is_dir() else FileDump(path)
+
+
+def make_runner(candidate, ids, feed):
+    return dump_runner(candidate, ids, feed, _dump(candidate.path))
+
+
+def make_decoder(candidate, ids, tokens):
+    return dump_decoder(candidate, ids, tokens, _dump(candidate.path))

@@ -318,7 +318,7 @@ def _warn_about(matching: Matching, metadata: dict, ckpt, dtype: str | None, g: 
                                  f"those of {dtype}; pass --dtype {graph_dtype}")
 
 
-def _as_point(x: np.ndarray, b: int, s: int, width: int) -> torch.Tensor | None:
+def as_point(x: np.ndarray, b: int, s: int, width: int) -> torch.Tensor | None:
     """[B, S, width] from what the graph produced, or None if it is something else."""
     if x.shape == (b, s, width):
         return torch.from_numpy(np.array(x))
@@ -336,7 +336,8 @@ def describe(path: Path, engine: dict | None = None) -> dict:
     from ..onnx_weights import tensor_types
 
     file = onnx_file(Path(path))
-    return {"tensor_types": tensor_types(file)} if file is not None else {}
+    # open_model refuses an unreadable file in one line, before anything else reads it
+    return {"tensor_types": tensor_types(open_model(file))} if file is not None else {}
 
 
 def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dict:
@@ -369,7 +370,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
         unmatched = dict(matching.unmatched)
         for point in sorted(matching.points, key=names.point_order):
             value = matching.points[point]["value"]
-            got = _as_point(values[value], b, s, vocab if point == "logits" else hidden)
+            got = as_point(values[value], b, s, vocab if point == "logits" else hidden)
             if got is None:
                 unmatched[point] = f"{value} has shape {list(values[value].shape)}, not [{b}, {s}, width]"
                 continue
@@ -408,7 +409,7 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
             start += 1
             for point in sorted(matching.points, key=names.point_order):
                 value = matching.points[point]["value"]
-                got = _as_point(values[value], 1, 1, vocab if point == "logits" else hidden)
+                got = as_point(values[value], 1, 1, vocab if point == "logits" else hidden)
                 if got is not None:
                     emit(step, point, got)
 

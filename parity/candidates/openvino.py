@@ -206,14 +206,14 @@ class Engine:
 
     def points(self, values: list[np.ndarray], b: int, s: int, hidden: int, vocab: int):
         """(point, tensor [b, s, width]) for each matched point, or (point, None, why)."""
-        from .onnx import _as_point
+        from .onnx import as_point
 
         for point in sorted(self.matching.points, key=names.point_order):
             value = self.matching.points[point]["value"]
             x = values[self.index[value]]
             if x.dtype != np.float32:
                 x = x.astype(np.float32)
-            got = _as_point(x, b, s, vocab if point == "logits" else hidden)
+            got = as_point(x, b, s, vocab if point == "logits" else hidden)
             yield point, got, None if got is not None else f"{value} has shape {list(x.shape)}, not [{b}, {s}, width]"
 
 

@@ -22,6 +22,7 @@ from .. import candidates
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import ParityError
 from ..ggml import Arithmetic
+from ..ort_arithmetic import OrtArithmetic
 from ..inputs import check_length
 from ..lengths import exercised
 from ..models import Models, first_device
@@ -238,7 +239,8 @@ def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **o
     ckpt = open_checkpoint(Path(reference), adapter_dirs)
     with tempfile.TemporaryDirectory(prefix="parity-same-weights-") as tmp:
         held = kind.same_weights(ckpt, path, Path(tmp), engine)
-        report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, arithmetic=Arithmetic.load(Path(tmp)),
+        arithmetic = OrtArithmetic.load(Path(tmp)) or Arithmetic.load(Path(tmp))  # the engine's, as saved there
+        report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, arithmetic=arithmetic,
                        same_weights=True, **options)
     # the reference the user named, built from the candidate's weights (and computing as its engine does)
     report.reference = {**report.reference, "path": str(reference), "same_weights": held}

@@ -159,6 +159,22 @@ class CandidateSide:
         return self.kind.make_decoder(self._candidate(models), ids, tokens)
 
 
+def kind_rows() -> list[dict]:
+    """Every candidate kind as `parity engines` lists it: how it is taken, what it can do, its engine options, and
+    whether its engine is installed here (and the extra that installs it where not)."""
+    import importlib.util
+
+    rows = []
+    for kind in candidates.kinds().values():
+        installed = kind.requires is None or importlib.util.find_spec(kind.requires[0]) is not None
+        rows.append({"kind": kind.name, "named_as": [kind.name, *kind.aliases] if kind.explicit else None,
+                     "isolates": kind.isolates, "decodes": kind.make_decoder is not None,
+                     "same_weights": kind.same_weights is not None, "options": dict(kind.engine_options),
+                     "installed": installed,
+                     "install": None if installed else f"pip install 'parity[{kind.requires[1]}]'"})
+    return rows
+
+
 def candidate_kind(spec) -> tuple[Kind, Path]:
     """A candidate's kind and path: the kind ``KIND:PATH`` names, else the first of parity.candidates' kinds that
     takes the path."""
