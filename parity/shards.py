@@ -245,7 +245,7 @@ class ShardWriter:
     def __init__(self, shard: Shard, metadata: dict[str, str] | None = None, hashing: Hashing | None = None):
         self.shard = shard
         self.expected = iter(shard.tensors)
-        self.hash = ContentHash(HASH, hashing)
+        self.hash = ContentHash(HASH, hashing, lane=1)  # a conversion's output lane
         self._hashing = hashing
         self._writes: deque[Future] = deque()  # on the writing thread, not yet seen to finish
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
@@ -322,24 +322,27 @@ class ShardWriter:
 
 
 class Hashing:
-    """One thread on which hashes run, in the order they are fed, while the caller reads (blake3 and hashlib, and
-    writes, release the GIL); with ``writes``, a second on which ShardWriters write, in order, so that reading,
-    hashing and writing a piece each take a core where there are several. One for all of a conversion's work, so
-    that ``fence`` tells when everything fed so far is done: a buffer fed to it before may then be reused."""
+    """Threads on which hashes run, in the order they are fed, while the caller reads (blake3 and hashlib, and
+    writes, release the GIL): one per lane (a conversion hashes what it reads on lane 0 and what it writes on
+    lane 1, so that the two hashes of one piece take a core each where there are several); with ``writes``, one
+    more on which ShardWriters write, in order. One for all of a conversion's work, so that ``fence`` tells when
+    everything fed so far is done: a buffer fed to it before may then be reused."""
 
-    def __init__(self, writes: bool = False) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parity-hash")
+    def __init__(self, writes: bool = False, lanes: int = 1) -> None:
+        self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"parity-hash{k}") for k in range(lanes)]
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parity-write") if writes else None
-        self.last: Future | None = None  # the latest hash submitted
+        self._last: list[Future | None] = [None] * lanes  # per lane, the latest hash submitted
         self._last_write: Future | None = None
 
     @property
     def writes(self) -> bool:
         return self._writer is not None
 
-    def submit(self, fn: Callable, data) -> Future:
-        self.last = self._pool.submit(fn, data)
-        return self.last
+    def submit(self, fn: Callable, data, lane: int = 0) -> Future:
+        """Run ``fn(data)`` on ``lane``'s thread (the last lane if there are fewer)."""
+        lane = min(lane, len(self._pools) - 1)
+        self._last[lane] = self._pools[lane].submit(fn, data)
+        return self._last[lane]
 
     def write(self, fn: Callable, data) -> Future:
         """Run ``fn(data)`` on the writing thread (``writes`` only)."""
@@ -347,12 +350,12 @@ class Hashing:
         return self._last_write
 
     def fence(self) -> tuple[Future, ...]:
-        """The latest hash and write submitted: once both are done, so is everything fed before them."""
-        return tuple(f for f in (self.last, self._last_write) if f is not None)
+        """The latest hash of each lane and the latest write: once all are done, so is everything fed before."""
+        return tuple(f for f in (*self._last, self._last_write) if f is not None)
 
     def close(self) -> None:
         """End the threads (after an error too: what is queued is dropped; closing twice is harmless)."""
-        for pool in (self._pool, self._writer):
+        for pool in (*self._pools, self._writer):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
 
@@ -367,8 +370,9 @@ class ContentHash:
     """A hash (``algorithm``, one of HASHES) computed on ``hashing``'s thread (one of its own if none is given), in
     the order it is fed. What ``update`` is given must stay unchanged until ``wait`` (or ``hexdigest``) returns."""
 
-    def __init__(self, algorithm: str = HASH, hashing: Hashing | None = None) -> None:
+    def __init__(self, algorithm: str = HASH, hashing: Hashing | None = None, lane: int = 0) -> None:
         self.algorithm = algorithm
+        self._lane = lane
         self._hash = HASHES[algorithm]()
         self._own = hashing is None
         self._hashing = Hashing() if hashing is None else hashing
@@ -377,7 +381,7 @@ class ContentHash:
     def update(self, data: bytes | bytearray | memoryview) -> None:
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()
-        self._pending.append(self._hashing.submit(self._hash.update, data))
+        self._pending.append(self._hashing.submit(self._hash.update, data, self._lane))
 
     def wait(self) -> None:
         while self._pending:
