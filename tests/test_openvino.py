@@ -4,10 +4,8 @@ point by point with transformers; twins converted from a checkpoint carrying a c
 first acts and are named; NNCF-compressed weights pass against a reference holding the IR's own weights.
 
 Conversions are cached for the session (PARITY_CACHE in a temporary directory): a family's IR is converted once
-and serves prefill and decode. Every family parity knows converts and passes (14/14, README); this file runs a
-representative subset to stay near two minutes: llama (GQA, llama3 RoPE), gpt2 (Conv1D, learned positions),
-bert (Post-Norm LayerNorm as OpenVINO's MVN, not causal), gemma3 (sandwich norms, 1 + w, sliding layers) and
-qwen3_moe (MoE). PARITY_OPENVINO_ALL=1 runs every family.
+and serves prefill and decode. Every family parity knows converts and passes, each checked here (14 families in
+about 95 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ from .conftest import FAMILIES
 
 pytest.importorskip("openvino")
 
-SUBSET = ["llama", "gpt2", "bert", "gemma3", "qwen3_moe"]
-PREFILL = FAMILIES if os.environ.get("PARITY_OPENVINO_ALL") else SUBSET
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +40,7 @@ def _check(reference, candidate, report, *extra):
     return result, (json.loads(report.read_text()) if report.exists() else None)
 
 
-@pytest.mark.parametrize("family", PREFILL)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_converted_checkpoint_passes_layerwise_at_f32(family, tiny_dir, tmp_path):
     reference = tiny_dir(family)
     result, report = _check(reference, f"openvino:{reference}", tmp_path / "r.json", "--layerwise")
