@@ -39,13 +39,41 @@ def layer_of(name: str) -> int | None:
     return None
 
 
+# Operation-level points inside a layer's sublayers (docs/ops.md): ``layers.{i}.attn.<op>``, ``layers.{i}.mlp.<op>``,
+# in forward order. Their layouts (heads and positions kept) are parity.ops'.
+ATTN_OPS = ("q", "k", "v", "kv_compressed", "kv_norm", "q_norm", "k_norm", "q_rope", "k_rope", "scores", "probs",
+            "context")
+MLP_OPS = ("router", "gate", "up", "act")
+OP_POINTS = (*(f"layers.{{i}}.attn.{op}" for op in ATTN_OPS), *(f"layers.{{i}}.mlp.{op}" for op in MLP_OPS))
+# where each sublayer's ops sit among the layer points: attention ops between attn_in and attn_out, MLP ops
+# between mlp_in and mlp_out
+_LAYER_ORDER = ("attn_in", *(f"attn.{op}" for op in ATTN_OPS), "attn_out", "mid", "mlp_in",
+                *(f"mlp.{op}" for op in MLP_OPS), "mlp_out", "out")
+
+
+def op_names(i: int) -> list[str]:
+    """Every operation-level point name of layer ``i``, in forward order (a family has a subset: its adapter's)."""
+    return [t.replace("{i}", str(i)) for t in OP_POINTS]
+
+
+def is_op(name: str) -> bool:
+    """Whether ``name`` is an operation-level point (layers.{i}.attn.q, layers.{i}.mlp.act, ...)."""
+    if not name.startswith("layers."):
+        return False
+    rest = name.split(".", 2)[2] if name.count(".") >= 2 else ""
+    return rest in _LAYER_ORDER and rest not in LAYER_POINTS
+
+
 def point_order(name: str) -> tuple:
-    """Sort key putting concrete capture points (and finer points below them) in forward order."""
+    """Sort key putting concrete capture points (and finer points below them) in forward order: a layer's
+    operation-level points sit inside its sublayers."""
     if name.startswith("layers."):
         _, index, rest = name.split(".", 2)
-        point, _, finer = rest.partition(".")
-        kind = LAYER_POINTS.index(point) if point in LAYER_POINTS else len(LAYER_POINTS)
-        return (1, int(index), kind, finer)
+        for k in (2, 1):  # an op (attn.q), then a layer point (attn_out), each perhaps with a finer part below it
+            head = ".".join(rest.split(".")[:k])
+            if head in _LAYER_ORDER and (k == 2 or head in LAYER_POINTS):
+                return (1, int(index), _LAYER_ORDER.index(head), rest[len(head) + 1:])
+        return (1, int(index), len(_LAYER_ORDER), rest)
     if name in MODEL_POINTS_BEFORE:
         return (0, MODEL_POINTS_BEFORE.index(name))
     head, _, finer = name.partition(".")

@@ -63,6 +63,7 @@ class Options:
     compile: bool = False                      # transformers: run the candidate under torch.compile (--compile)
     engine: tuple[tuple[str, str], ...] = ()   # an engine kind's ENGINE_OPTIONS, (key, value) (--engine-option)
     last: int | None = None                    # the last layer a slice needs (None: run to the end)
+    ops: bool = False                          # emit operation-level points too (--points ops, a drill-down)
 
 
 class Notes:
