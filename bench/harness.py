@@ -113,6 +113,15 @@ class Run:
     seconds: float | None  # what the child timed itself ("seconds N" on stdout), if it did
     cpu: float = 0.0       # seconds of CPU the child used, user and system, all its threads
     startup: float | None = None  # what the child reported as its start-up ("startup N": see STARTUP_LINE)
+    stdout: str = ""
+
+    @property
+    def json(self):
+        """The last line of the child's stdout that is a JSON object, parsed (None without one)."""
+        import json
+
+        line = next((x for x in reversed(self.stdout.splitlines()) if x.startswith("{")), None)
+        return None if line is None else json.loads(line)
 
 
 # A child's start-up: from just before it is spawned to the end of its imports. The parent puts the time of the
@@ -133,7 +142,8 @@ def run(code: str, what: str, *args: str, quiet: bool = False) -> Run:
     kib = next((int(line.split()[1]) for line in done.stderr.splitlines() if line.startswith("VmHWM")), 0)
     seconds = next((float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("seconds ")), None)
     startup = next((float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("startup ")), None)
-    result = Run(what, wall, kib * 1024, done.returncode, seconds, cpu_seconds(before, after), startup)
+    result = Run(what, wall, kib * 1024, done.returncode, seconds, cpu_seconds(before, after), startup,
+                 done.stdout)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-3000:])
     if not quiet:

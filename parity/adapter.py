@@ -29,16 +29,18 @@ from typing import Any
 from . import names
 from .adapter_files import (ENV_VAR, Adapter, builtin_dir, derive_order, load_adapter, load_all, resolved_data,
                             search_path)
-from .adapter_schema import (ACTIVATIONS, BUFFER_KINDS, CHOICES, OPTIONAL, SECTIONS, AdapterFile, AttentionConvention,
-                             Buffer, CapturePoint, EmbeddingConvention, GGUFExport, MLPConvention, NormConvention,
-                             NormModule, Param, PositionConvention, Split, TensorEntry, Tiny, Value, Variant)
+from .adapter_schema import (ACTIVATIONS, ATTENTION_FIELDS, BUFFER_KINDS, CHOICES, OPTIONAL, SECTIONS, AdapterFile,
+                             AttentionConvention, Buffer, CapturePoint, EmbeddingConvention, GGUFExport, MLPConvention,
+                             NormConvention, NormModule, OpPoint, Param, PositionConvention, Split, TensorEntry, Tiny,
+                             Value, Variant)
 from .errors import ParityError
 from .expr import ExprError, evaluate, free_names
 
 __all__ = [
-    "ACTIVATIONS", "BUFFER_KINDS", "CHOICES", "ENV_VAR", "OPTIONAL", "SECTIONS", "Adapter", "AdapterFile",
-    "AttentionConvention", "Buffer", "CapturePoint", "EmbeddingConvention", "GGUFExport", "MLPConvention",
-    "NormConvention", "NormModule", "Param", "PositionConvention", "Resolved", "ResolvedBuffer", "ResolvedCapture",
+    "ACTIVATIONS", "ATTENTION_FIELDS", "BUFFER_KINDS", "CHOICES", "ENV_VAR", "OPTIONAL", "SECTIONS", "Adapter",
+    "AdapterFile", "AttentionConvention", "Buffer", "CapturePoint", "EmbeddingConvention", "GGUFExport",
+    "MLPConvention", "NormConvention", "NormModule", "OpPoint", "Param", "PositionConvention", "Resolved",
+    "ResolvedBuffer", "ResolvedCapture",
     "ResolvedNorm", "ResolvedTensor", "Setting", "Split", "TensorEntry", "Tiny", "Value", "Variant", "builtin_dir",
     "ignored", "load_adapter", "load_all", "recognise", "resolve", "resolved_data", "rope_settings", "search_path",
     "text_config",
@@ -126,11 +128,16 @@ class ResolvedBuffer:
 
 @dataclass(frozen=True)
 class ResolvedCapture:
+    """Where a capture point (or an operation-level point) is read: io "input", "output" or, for an op,
+    "attention" (``field``: what the module's attention function is given or computes, parity.capture)."""
+
     name: str
     module: str
     io: str
     arg: str | int | None
     field: str | int | None
+    slice: tuple[int, int] | None = None  # [start, stop) of the value's last dimension (a fused projection's part)
+    heads_first: bool = False             # an op's value is held [B, H, S, D]
 
 
 @dataclass
@@ -147,6 +154,8 @@ class Resolved:
     capture: list[ResolvedCapture]
     buffers: list[ResolvedBuffer] = field(default_factory=list)
     env: dict[str, Any] = field(repr=False, default_factory=dict)
+    # operation-level points (docs/ops.md), apart from ``capture``: hooked only when asked for
+    ops: list[ResolvedCapture] = field(default_factory=list)
 
     @property
     def family(self) -> str:
@@ -291,7 +300,25 @@ def resolve(adapter: Adapter, variant: Variant, config: dict, wrapper: dict | No
             capture.append(ResolvedCapture(_fill(point, i=i), _fill(where.module, i=i, prefix=variant.module_prefix),
                                            where.io, where.arg, where.field))
     capture.sort(key=lambda c: names.point_order(c.name))
-    return Resolved(adapter, variant, config, r.num_layers, settings, norms, tensors, capture, buffers, env=r.env)
+    return Resolved(adapter, variant, config, r.num_layers, settings, norms, tensors, capture, buffers, env=r.env,
+                    ops=_ops(r, spec, variant.module_prefix))
+
+
+def _ops(r: _Resolver, spec: AdapterFile, prefix: str) -> list[ResolvedCapture]:
+    """Every ``[ops]`` entry expanded over the layers: at each, the first alternative whose ``when`` holds."""
+    ops: list[ResolvedCapture] = []
+    for point, entry in spec.ops.items():
+        key = f"ops.{point}"
+        alternatives = entry if isinstance(entry, list) else [entry]
+        for i in r.each_layer(point, None, key):
+            where = next((a for a in alternatives if a.when is None or r.eval(key, a.when, i)), None)
+            if where is None:
+                continue
+            part = None if where.slice is None else tuple(int(r.eval(key + ".slice", s, i)) for s in where.slice)
+            ops.append(ResolvedCapture(_fill(point, i=i), _fill(where.module, i=i, prefix=prefix), where.io,
+                                       where.arg, where.field, part, where.heads_first))
+    ops.sort(key=lambda c: names.point_order(c.name))
+    return ops
 
 
 def _settings(r: _Resolver, spec: AdapterFile) -> dict[str, Setting]:

@@ -8,8 +8,8 @@ merged onto it, and the result is validated as a whole by the schema (``parity.a
 - ``family``, ``description`` and ``[[variants]]`` are never inherited: an extending file gives its own
   (inheriting them would make two families claim the same checkpoints).
 - Top-level tables (``[derive]``, ``[norm]``, ``[attention]``, ``[positions]``, ``[mlp]``, ``[embedding]``,
-  ``[legacy_names]``, ``[capture]``, ``[gguf]``, ``[tiny]``) merge key by key; each key's value replaces the
-  base's whole: a ``{ key = ..., default = ... }`` parameter, a capture point, ``tiny.config``,
+  ``[legacy_names]``, ``[capture]``, ``[ops]``, ``[gguf]``, ``[tiny]``) merge key by key; each key's value replaces
+  the base's whole: a ``{ key = ..., default = ... }`` parameter, a capture point, an op, ``tiny.config``,
   ``gguf.points``, ``positions.scaling_types`` are single values. ``[derive]`` names are evaluated in dependency
   order, so a child may add or redefine any of them.
 - ``[[norms]]``, ``[[tensors]]`` and ``[[buffers]]`` merge entry by entry, matched by ``hf``: an entry whose
@@ -18,7 +18,7 @@ merged onto it, and the result is validated as a whole by the schema (``parity.a
   ``before = HF`` on an entry places (or moves) it next to the base entry with that ``hf`` instead.
 - ``remove = { KEY = true }`` drops a whole top-level key of the base (``gguf``, or ``norms`` to restate the
   array whole); ``remove = { KEY = ["name or hf pattern", ...] }`` drops keys of a table (``derive``,
-  ``capture``, a convention field, which then takes its schema default) or the entries of ``[[norms]]`` /
+  ``capture``, ``ops``, a convention field, which then takes its schema default) or the entries of ``[[norms]]`` /
   ``[[tensors]]`` / ``[[buffers]]`` whose ``hf`` matches a pattern (``*`` and ``?`` as in shell globs).
   Removal applies to the base before the merge; a pattern that matches nothing is an error.
 
@@ -81,7 +81,7 @@ def _loc(loc: Iterable) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("Param", "bool", "int", "float", "str", "list", "none") or "[" in str(part):
+        elif part in ("Param", "OpPoint", "bool", "int", "float", "str", "list", "none") or "[" in str(part):
             continue  # pydantic's union-branch labels say nothing to a reader
         else:
             out += ("." if out else "") + str(part)
@@ -140,9 +140,12 @@ def _check_keys(path: Path, value: Any, annotation: Any, loc: str, extra: tuple[
             _check_keys(path, item, annotation.model_fields[key].annotation, where)
         return
     origin, args = get_origin(annotation), get_args(annotation)
-    if origin in (Union, types.UnionType) and isinstance(value, dict):
+    if origin in (Union, types.UnionType) and isinstance(value, (dict, list)):
         for arg in args:
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
+            if isinstance(value, dict) and isinstance(arg, type) and issubclass(arg, BaseModel):
+                _check_keys(path, value, arg, loc)
+                return
+            if isinstance(value, list) and get_origin(arg) is list:  # alternatives (an [ops] entry)
                 _check_keys(path, value, arg, loc)
                 return
     elif origin is list and args and isinstance(value, list):
@@ -379,6 +382,12 @@ def _check_semantics(spec: AdapterFile, path: Path) -> None:
         if point not in names.CAPTURE_POINTS and not any(point.startswith(p + ".") for p in names.CAPTURE_POINTS):
             raise _fail(path, f"capture.{point}", f"not a capture point; use one of {', '.join(names.CAPTURE_POINTS)}")
         _check_expr(path, f"capture.{point}", where.when)
+    for point, entry in spec.ops.items():
+        if point not in names.OP_POINTS:
+            raise _fail(path, f"ops.{point}", f"not an operation-level point; use one of {', '.join(names.OP_POINTS)}")
+        for where in entry if isinstance(entry, list) else [entry]:
+            for source in [where.when, *(where.slice or [])]:
+                _check_expr(path, f"ops.{point}", source)
 
 
 def _check_expr(path: Path, key: str, source: str | None) -> None:

@@ -259,6 +259,37 @@ class CapturePoint(_Strict):
     when: Union[str, None] = None
 
 
+# What an ``io = "attention"`` op reads from the attention function of its module (parity.capture)
+ATTENTION_FIELDS = ("query", "key", "scores", "probs")
+
+
+class OpPoint(_Strict):
+    """Where an operation-level point (docs/ops.md) is read: as a capture point (a module's ``input`` or
+    ``output``), where ``slice`` = [start, stop] (expressions) keeps part of the last dimension (a fused
+    projection's q, k or v) and ``heads_first`` says the value is held [B, H, S, D] (a per-head norm applied after
+    the heads are moved before the positions), not [B, S, ...]; or ``io = "attention"``: what the module hands its
+    attention function, ``field`` one of ATTENTION_FIELDS (query and key as passed, after RoPE; the softmax's
+    input and output)."""
+
+    module: str
+    io: Literal["input", "output", "attention"]
+    arg: Union[str, int, None] = None
+    field: Union[str, int, None] = None
+    slice: Union[list[str], None] = None
+    heads_first: bool = False
+    when: Union[str, None] = None
+
+    @model_validator(mode="after")
+    def _fields(self):
+        if self.io == "attention" and (self.field not in ATTENTION_FIELDS or self.arg is not None
+                                       or self.slice is not None or self.heads_first):
+            raise ValueError(f"io = \"attention\" reads one 'field' of {', '.join(ATTENTION_FIELDS)} (no arg, "
+                             f"slice or heads_first: its layout is known)")
+        if self.slice is not None and len(self.slice) != 2:
+            raise ValueError("'slice' is [start, stop] of the last dimension")
+        return self
+
+
 class GGUFExport(_Strict):
     """How llama.cpp runs the family: its architecture name in GGUF metadata, and the q/k row layout its RoPE
     kernel for that architecture expects ("interleaved": LLAMA_ROPE_TYPE_NORM, adjacent pairs, so
@@ -301,6 +332,8 @@ class AdapterFile(_Strict):
     # transformers renames them on load, and so does the tensor check.
     legacy_names: dict[str, str] = {}
     capture: dict[str, CapturePoint]
+    # operation-level points (docs/ops.md): an entry, or alternatives of which the first whose `when` holds is read
+    ops: dict[str, Union[OpPoint, list[OpPoint]]] = {}
     gguf: Union[GGUFExport, None] = None   # absent: the family is not exported to GGUF
     tiny: Tiny
 

@@ -3,18 +3,28 @@
 The adapter's capture map says, for each point, which module to hook and whether the value is
 one of its inputs (``arg``: a parameter name or position) or its output (``field``: a tuple index
 or an attribute such as ``logits``). No family-specific code lives here.
+
+Operation-level points (the adapter's ``[ops]``, docs/ops.md) are read the same way, laid out as parity.ops says,
+plus one more kind: ``io = "attention"``, what a module hands its attention function (query and key after RoPE) and
+what that function computes (the softmax's input and output). For those, the model's eager attention is switched,
+while hooked, to ATTENTION: a function registered with transformers' AttentionInterface that runs the module's own
+eager function unchanged and watches it (parity.capture_attention).
 """
 
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 
+from . import names, ops
 from .adapter import ResolvedCapture
+from .capture_attention import ATTENTION, recording
 from .errors import ParityError
+
+__all__ = ["ATTENTION", "hooks", "input_value", "run_and_capture", "with_input"]
 
 
 def _where(module: torch.nn.Module, arg: str | int | None, args: tuple, kwargs: dict) -> str | int:
@@ -55,38 +65,73 @@ def _output_value(output: Any, field: str | int | None) -> Any:
     return output[field] if isinstance(output, dict) else getattr(output, field)
 
 
+def op_layout(point: ResolvedCapture, t: torch.Tensor) -> torch.Tensor:
+    """An op read at a module's input or output as every side emits it, [1, S, width] (parity.ops): its part
+    (``slice``) kept; heads held first moved after the positions; a token-flattened [T, width] (a MoE router's
+    logits) given its batch of one back."""
+    if point.slice is not None:
+        t = t[..., point.slice[0]:point.slice[1]]
+    if point.heads_first:
+        return ops.from_heads(t)
+    if t.dim() == 2:
+        t = t.unsqueeze(0)
+    return ops.flat(t)
+
+
+def _module(model: torch.nn.Module, point: ResolvedCapture) -> torch.nn.Module | None:
+    """The module a point is read at; None for an op whose module this layer lacks (a dense layer's router, a
+    KV-shared layer's k_proj): that op is simply absent there. A capture point's is an adapter error."""
+    try:
+        return model.get_submodule(point.module)
+    except AttributeError:
+        if names.is_op(point.name):
+            return None
+        raise ParityError(f"capture point {point.name}: the model has no module {point.module!r}; "
+                          f"fix the adapter's capture map") from None
+
+
 @contextmanager
 def hooks(model: torch.nn.Module, points: list[ResolvedCapture],
           on_point: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
-    """Call ``on_point(name, tensor)`` for each capture point as the model produces it."""
+    """Call ``on_point(name, tensor)`` for each capture point as the model produces it. An op read at a module's
+    input is read before any other pre-hook changes it (an engine's rounding of a projection's input); one read at
+    an output after the hooks already there (what the engine adds to it)."""
     handles = []
+    attention: list[tuple[torch.nn.Module, ResolvedCapture]] = []
     try:
         for point in points:
-            try:
-                module = model.get_submodule(point.module)
-            except AttributeError:
-                raise ParityError(f"capture point {point.name}: the model has no module {point.module!r}; "
-                                  f"fix the adapter's capture map") from None
-            if point.io == "input":
-                def pre(mod, args, kwargs, point=point):
-                    on_point(point.name, input_value(mod, point.arg, args, kwargs).detach())
-                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            module = _module(model, point)
+            if module is None:
+                continue
+            op = names.is_op(point.name)
+            if point.io == "attention":
+                attention.append((module, point))
+            elif point.io == "input":
+                def pre(mod, args, kwargs, point=point, op=op):
+                    value = input_value(mod, point.arg, args, kwargs).detach()
+                    on_point(point.name, op_layout(point, value) if op else value)
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=op))
             else:
-                def post(mod, args, output, point=point):
-                    on_point(point.name, _output_value(output, point.field).detach())
+                def post(mod, args, output, point=point, op=op):
+                    value = _output_value(output, point.field).detach()
+                    on_point(point.name, op_layout(point, value) if op else value)
                 handles.append(module.register_forward_hook(post))
-        yield
+        with ExitStack() as stack:
+            if attention:
+                stack.enter_context(recording(attention, on_point))
+            yield
     finally:
         for h in handles:
             h.remove()
 
 
 def run_and_capture(model: torch.nn.Module, points: list[ResolvedCapture], **inputs: Any) -> dict[str, torch.Tensor]:
-    """Run the model once and return every capture point (clones, in the order produced)."""
+    """Run the model once and return every capture point (clones, in the order produced); an op is missing where
+    its layer lacks it."""
     seen: dict[str, torch.Tensor] = {}
     with hooks(model, points, lambda name, t: seen.setdefault(name, t.clone())), torch.no_grad():
         model(**inputs)
-    missing = [p.name for p in points if p.name not in seen]
+    missing = [p.name for p in points if p.name not in seen and not names.is_op(p.name)]
     if missing:
         raise ParityError(f"capture points never produced: {', '.join(missing)}; fix the adapter's capture map")
     return seen

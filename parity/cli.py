@@ -318,6 +318,10 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
                    "docs/dumps.md), an ONNX model (.onnx), a GGUF file, or "
                    "KIND:PATH for an engine that runs a checkpoint its own way (`parity engines` lists them).")
 @click.option("--layerwise", is_flag=True, help="Compare every capture point, not only the final output.")
+@click.option("--points", type=click.Choice(["layers", "ops"]), default="layers", show_default=True,
+              help="ops: compare every operation inside each layer too (q, k, v, RoPE, scores, probs, context, the "
+                   "MLP's gate, up and activation; docs/ops.md). Without it a failing check re-runs only its first "
+                   "diverging layer at op granularity.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="The candidate's dtype; the reference runs in float32.")
 @input_options
@@ -363,7 +367,7 @@ def _parse_ids(ids: str | None, prompt: str | None, tokenizer, vocab: int) -> li
               help="GGUF candidates: run the reference on the candidate's own (dequantized) weights, so that "
                    "quantization is not taken for a porting mistake.")
 @adapters_option
-def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
+def check_cmd(reference, candidate, layerwise, points, dtype, prompt, ids, inputs_file, length, isolate, calibrate,
               tolerance, report_paths, junit, generate, decode, per_layer, inject, checkpoint, provider, maps, attn,
               compile_, engine_options, stream, device, candidate_device, layer_span, same_weights, adapter_dirs):
     """Compare a candidate against the reference, point by point; exit 0 pass, 1 fail, 2 no verdict.
@@ -387,7 +391,7 @@ def check_cmd(reference, candidate, layerwise, dtype, prompt, ids, inputs_file, 
                         checkpoint=checkpoint, inject=inject,
                         provider=provider, maps=list(maps), attn=attn, compile=compile_,
                         engine_options=list(engine_options), stream=stream, device=device,
-                        candidate_device=candidate_device, layers=layer_span, layers_progress=True)
+                        candidate_device=candidate_device, layers=layer_span, layers_progress=True, points=points)
     sys.exit(report.exit_code)
 
 

@@ -83,14 +83,15 @@ def _run_layer(manifest: dict, tensors: dict, dtype: torch.dtype, layer: int, x:
 def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[str, torch.Tensor],
              reference: dict[str, torch.Tensor], ids: torch.Tensor, dtype: torch.dtype,
              families: dict[str, list[str]] | None = None, adapter_dirs=(),
-             layer_input: torch.Tensor | None = None) -> list[dict]:
+             layer_input: torch.Tensor | None = None, drilldown: dict | None = None) -> list[dict]:
     """Diagnosis entries, most likely first: {"bug", "confidence", "evidence", "residual"}. ``adapter_dirs``: the
     check's --adapters, so that a family they add is diagnosed too.
 
     With ``layer_input`` (the reference's input to the layer of ``point``), each hypothesis re-runs only that
     layer, reading only its weights: the diagnosis of a model of any size costs one layer per hypothesis.
     Otherwise (a point outside the layers) the whole reference is converted and run per hypothesis, and the
-    final output must be reproduced too."""
+    final output must be reproduced too. With a ``drilldown`` (parity.checker.drill), a hypothesis whose mistake
+    first shows at another op than the one that diverged first is dropped, and an ``unknown`` names that op."""
     from .names import layer_of
 
     final = next((n for n in ("logits", "final_norm") if n in candidate), None)
@@ -124,9 +125,32 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
             continue
         residual = max([_rel(candidate[point], got[point])] + ([_rel(candidate[final], got[final])]
                                                                if final in got and final in wanted else []))
-        scored.append((residual, bug))
+        if any(consistent(op, drilldown) for op in (bug.op, *bug.also)):
+            scored.append((residual, bug))
     evidence_tail = position_evidence(candidate[point], reference[point], tolerance)
+    if drilldown is not None and drilldown.get("first"):
+        evidence_tail += f"; drilled down: {drilldown['summary']}"
     return _named(scored, baseline, where, evidence_tail)
+
+
+def consistent(bug_op: str | None, drilldown: dict | None) -> bool:
+    """Whether a catalogued mistake that first shows at ``bug_op`` (a point inside a layer: ``attn.q_rope``,
+    ``attn_in``) fits the drill-down: not when that point was compared and agreed, nor when a point before it in
+    forward order already diverged. A point the candidate did not give cannot rule it out."""
+    if bug_op is None or drilldown is None or drilldown.get("first") is None:
+        return True
+    layer = drilldown["layer"]
+    name = f"layers.{layer}.{bug_op}"
+    seen = {p["name"]: p for p in drilldown["ops"]}
+    if name in seen and seen[name]["compared"]:
+        return name == drilldown["first"]
+    return not _before(drilldown["first"], name)
+
+
+def _before(a: str, b: str) -> bool:
+    from .names import point_order
+
+    return point_order(a) < point_order(b)
 
 
 def _named(scored: list, baseline: float, where: str, evidence_tail: str) -> list[dict]:

@@ -367,12 +367,14 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
               role: str = "reference", points: set[str] | None = None, on_layer: Callable[[int], None] | None = None,
               last: int | None = None, arithmetic=None, attn: str = "eager", compile: bool = False):
     """A function that runs a transformers checkpoint and emits its capture points (only ``points``, when
-    given: nothing else is hooked, so nothing else is held). ``on_layer(i)`` is told when layer i is done;
+    given: nothing else is hooked, so nothing else is held; operation-level points among them are read from the
+    adapter's [ops], and are absent from a layer that lacks them). ``on_layer(i)`` is told when layer i is done;
     with ``last``, the forward stops after that layer (a slice of a check needs nothing beyond it);
     ``arithmetic`` (parity.ggml.Arithmetic): computed as that engine computes; ``attn``, ``compile``: the
     attention kernel and torch.compile (Models.hf)."""
     model = models.hf(ckpt, dtype, role, attn, compile)
     capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
+    op_points = wanted_ops(ckpt, points)
     layer_paths = {c.name: c.module for c in ckpt.resolved.capture}
     device = models.device.get(role, models.device["reference"])
 
@@ -380,10 +382,11 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
         from .capture import hooks
         from .ggml import emulate
 
-        # capture hooks first: a layer's input is reported as computed, then replaced when isolating
+        # capture hooks first: a layer's input is reported as computed, then replaced when isolating; ops after the
+        # engine's hooks, so that an op read at an output includes what the engine adds there
         engine = arithmetic.emulate(model) if hasattr(arithmetic, "emulate") else emulate(model, arithmetic)
         limits = compile_limits(ckpt.resolved.num_layers) if attn != "eager" or compile else nullcontext()
-        with hooks(model, capture, emit), engine, limits, torch.no_grad():
+        with hooks(model, capture, emit), engine, hooks(model, op_points, emit), limits, torch.no_grad():
             handles = _isolation_hooks(model, ckpt, feed) if feed is not None else []
             if on_layer is not None:
                 for i in range(ckpt.resolved.num_layers):
@@ -414,23 +417,31 @@ def cached_forward(model, ids: torch.Tensor, cache=None):
 
 
 def hf_decoder(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, tokens: list[int],
-               role: str = "candidate", attn: str = "eager", compile: bool = False):
+               role: str = "candidate", attn: str = "eager", compile: bool = False, points: set[str] | None = None):
     """A function that runs the prompt, then each token as one decode step with transformers' cache, and emits
-    each step's capture points as ``emit(step, name, tensor)`` (step 0: the prompt)."""
+    each step's capture points as ``emit(step, name, tensor)`` (step 0: the prompt); ``points`` as hf_runner's
+    (operation-level points among them are emitted at each step too)."""
     model = models.hf(ckpt, dtype, role, attn, compile)
     device = first_device(model, models.device.get(role, models.device["reference"]))
+    capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
+    wanted = capture + wanted_ops(ckpt, points)
 
     def run(emit: Callable[[int, str, torch.Tensor], None]) -> None:
         from .capture import hooks
 
         step = 0
         limits = compile_limits(ckpt.resolved.num_layers) if attn != "eager" or compile else nullcontext()
-        with hooks(model, ckpt.resolved.capture, lambda name, t: emit(step, name, t)), limits, torch.no_grad():
+        with hooks(model, wanted, lambda name, t: emit(step, name, t)), limits, torch.no_grad():
             _, cache = cached_forward(model, ids.to(device))
             for step, token in enumerate(tokens, 1):
                 _, cache = cached_forward(model, torch.tensor([[token]], device=device), cache)
 
     return run
+
+
+def wanted_ops(ckpt: Checkpoint, points: set[str] | None) -> list:
+    """The adapter's operation-level points among ``points`` (none when every capture point is wanted: None)."""
+    return [] if points is None else [o for o in ckpt.resolved.ops if o.name in points]
 
 
 class _Enough(Exception):

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-# Scores at or below this are masked (transformers adds the dtype's minimum, others -inf): they are emitted as 0,
-# so that a masked entry compares equal, and one that a side failed to mask (or masked wrongly) does not.
+# Scores at or below this (or half their dtype's minimum, for float16) are masked (transformers adds the dtype's
+# minimum, others -inf): they are emitted as 0, so that a masked entry compares equal, and one that a side failed
+# to mask (or masked wrongly) does not.
 MASKED = -1e30
 # A head or position "carries" the error when it holds at least this share of the squared error.
 CARRIES = 0.9
@@ -41,7 +42,8 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 def scores(x: torch.Tensor) -> torch.Tensor:
     """Attention scores [B, H, S, T] -> [B, S, H*T], masked entries 0 (MASKED)."""
     x = from_heads(x)
-    return x.masked_fill(x <= MASKED, 0.0)
+    limit = max(MASKED, torch.finfo(x.dtype).min / 2) if x.dtype.is_floating_point else MASKED
+    return x.masked_fill(x <= limit, 0.0)
 
 
 def probs(x: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,11 @@ class PointResult:
     def noise_ratio(self) -> float | None:
         return None if not self.noise else self.rel_l2 / self.noise
 
+    @classmethod
+    def from_json(cls, data: dict) -> PointResult:
+        """A point result read back from its JSON (NaN and Inf were written as null); raises on a malformed one."""
+        return _point(data)
+
     def to_json(self) -> dict:
         out = {
             "name": self.name, "max_abs": self.max_abs, "mean_abs": self.mean_abs, "rel_l2": self.rel_l2,
@@ -80,6 +85,9 @@ class Report:
     layers: dict | None = None
     # --decode N: the prompt, the tokens fed, what decoding crossed, each step's worst point (parity.decode)
     decode: dict | None = None
+    # the first diverging layer op by op (docs/ops.md, "Report keys"): {"layer", "how", "fed", "ops" (point results,
+    # PointResult.to_json() dicts, in forward order), "first", "op_before", "concentration", "summary"}; None: none
+    drilldown: dict | None = None
 
     @property
     def failing(self) -> list[PointResult]:
@@ -96,6 +104,23 @@ class Report:
 
     def __bool__(self) -> bool:
         return self.verdict == "pass"
+
+    def drill_ops(self) -> list[PointResult]:
+        """The drill-down's op results in forward order ([] without one); its JSON holds them as dicts."""
+        ops = (self.drilldown or {}).get("ops") or []
+        return [op if isinstance(op, PointResult) else PointResult.from_json(op) for op in ops]
+
+    def drill_keys(self) -> dict:
+        """first_divergence's op, op_before, head and where (the drill-down's summary, which names the op, the heads
+        and the positions), read from the drill-down; null without one."""
+        d = self.drilldown or {}
+        concentration = d.get("concentration") or {}
+        heads = concentration.get("heads") or {}
+        carrier = heads.get("carrier")
+        head = None if carrier is None else {"axis": heads.get("axis"), "index": carrier,
+                                             "share": heads.get("shares", [])[carrier]}
+        return {"op": d.get("first"), "op_before": d.get("op_before"), "head": head,
+                "where": d.get("summary") or concentration.get("summary") or None}
 
     @property
     def exit_code(self) -> int:
@@ -117,7 +142,7 @@ class Report:
             "first_divergence": None if first is None else {
                 "point": first.name, "rel_l2": first.rel_l2, "cosine": first.cosine, "max_abs": first.max_abs,
                 "tolerance": asdict(first.tolerance), "noise": first.noise, "noise_ratio": first.noise_ratio,
-                "nonfinite": first.nonfinite, "run": first.run, "step": first.step,
+                "nonfinite": first.nonfinite, "run": first.run, "step": first.step, **self.drill_keys(),
             },
             "diagnosis": self.diagnosis,
             "logits": self.logits,
@@ -127,6 +152,8 @@ class Report:
             "generation": self.generation,
             "layers": self.layers,
             "decode": self.decode,
+            "drilldown": None if self.drilldown is None else {**self.drilldown, "ops": [
+                op.to_json() if isinstance(op, PointResult) else op for op in self.drilldown.get("ops") or []]},
         }
 
     @classmethod
@@ -161,7 +188,8 @@ class Report:
                                                                              "warnings")],
                        matching=_typed(data.get("matching"), (dict, type(None)), "matching"),
                        generation=_typed(data.get("generation"), (dict, type(None)), "generation"), layers=layers,
-                       decode=_typed(data.get("decode"), (dict, type(None)), "decode"))
+                       decode=_typed(data.get("decode"), (dict, type(None)), "decode"),
+                       drilldown=_drilldown(data.get("drilldown")))
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ParityError(f"{source}: a parity report with a missing or malformed field "
                               f"({str(exc)[:120]!r}); {fix}") from None
@@ -199,6 +227,31 @@ def _point(p: dict) -> PointResult:
                        run=_typed(p.get("run", 0), int, "run"),
                        step=_typed(p.get("step"), (int, type(None)), "step"),
                        plain_rel_l2=None if p.get("rel_l2_plain") is None else _float(p["rel_l2_plain"]))
+
+
+def _drilldown(d) -> dict | None:
+    """The drill-down as its JSON holds it, every field it relies on checked (docs/ops.md)."""
+    if _typed(d, (dict, type(None)), "drilldown") is None:
+        return None
+    if type(d["layer"]) is not int or d["layer"] < 0:
+        raise ValueError(f"drilldown.layer {d['layer']!r} is not a layer index")
+    _typed(d["how"], str, "drilldown.how")
+    _typed(d["fed"], str, "drilldown.fed")
+    for op in _typed(d["ops"], list, "drilldown.ops"):
+        _point(op)
+    for key in ("first", "op_before"):
+        _typed(d.get(key), (str, type(None)), f"drilldown.{key}")
+    concentration = _typed(d.get("concentration"), (dict, type(None)), "drilldown.concentration") or {}
+    for part in ("heads", "positions"):
+        shares = _typed(concentration.get(part), (dict, type(None)), f"drilldown.concentration.{part}")
+        if shares is not None:
+            values = [_float(x) for x in _typed(shares["shares"], list, f"drilldown.concentration.{part}.shares")]
+            carrier = _typed(shares.get("carrier"), (int, type(None)), f"drilldown.concentration.{part}.carrier")
+            if carrier is not None and not 0 <= carrier < len(values):
+                raise ValueError(f"drilldown.concentration.{part}.carrier {carrier} is not one of {len(values)}")
+    _typed(concentration.get("summary", ""), str, "drilldown.concentration.summary")
+    _typed(d.get("summary", ""), str, "drilldown.summary")
+    return d
 
 
 def merge_slices(reports: list[tuple[str, Report]]) -> Report:
@@ -253,8 +306,9 @@ def merge_slices(reports: list[tuple[str, Report]]) -> Report:
     merged.logits = last.logits
     merged.warnings = list(dict.fromkeys(w for _, r in ordered for w in r.warnings))
     firsts = merged.first_divergence
-    if firsts is not None:  # the diagnosis of the slice where the model first diverges
-        merged.diagnosis = next(r.diagnosis for _, r in ordered if any(p is firsts for p in r.points))
+    if firsts is not None:  # the diagnosis and drill-down of the slice where the model first diverges
+        source = next(r for _, r in ordered if any(p is firsts for p in r.points))
+        merged.diagnosis, merged.drilldown = source.diagnosis, source.drilldown
     runs = []
     for k, run in enumerate(first.inputs.get("runs", [])):
         mine = [r.inputs["runs"][k] for _, r in ordered]

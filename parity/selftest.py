@@ -38,13 +38,23 @@ class Row:
     top1_caught: bool            # the next token would have differed
     check: str = "prefill"       # "prefill", or "decode N" (the KV-cache path, N steps)
     prefill_caught: bool | None = None  # a decode row: whether the prefill-only check caught it too
+    first_op: str | None = None  # where the drill-down found the first divergence inside its layer (docs/ops.md)
+
+    @property
+    def op_right(self) -> bool | None:
+        """Whether the drill-down found the mistake where the catalog says it first shows (None: no op to match:
+        a clean run, a decode row, a mistake outside the layers)."""
+        if self.bug == "clean" or self.check != "prefill" or bugs.get(self.bug).op is None:
+            return None
+        bug = bugs.get(self.bug)
+        return self.first_op is not None and self.first_op.split(".", 2)[2] in (bug.op, *bug.also)
 
     @property
     def diagnosis_right(self) -> bool:
         return self.diagnosed == self.bug
 
     def to_json(self) -> dict:
-        return {**asdict(self), "diagnosis_right": self.diagnosis_right}
+        return {**asdict(self), "diagnosis_right": self.diagnosis_right, "op_right": self.op_right}
 
 
 def run(families: list[str] | None = None, dtype: str | None = None,
@@ -95,6 +105,7 @@ def run(families: list[str] | None = None, dtype: str | None = None,
                     top1_caught=not logits.get("next_token_agrees", True),
                     check=f"decode {DECODE_STEPS}" if decoding else "prefill",
                     prefill_caught=not prefill if decoding else None,
+                    first_op=(report.drilldown or {}).get("first") if not decoding else None,
                 ))
     return rows
 
@@ -117,6 +128,8 @@ def totals(rows: list[Row]) -> dict:
         "top1_would_catch": sum(r.top1_caught for r in injected),
         "decode_pairs": sum(r.check != "prefill" for r in injected),
         "prefill_only_would_catch": sum(bool(r.prefill_caught) for r in injected if r.check != "prefill"),
+        "ops_declared": sum(r.op_right is not None for r in injected),
+        "op_right": sum(bool(r.op_right) for r in injected),
     }
 
 
@@ -129,7 +142,8 @@ def summary(rows: list[Row]) -> str:
             f"{t['clean_conversions']} clean conversions. A final-output np.allclose(atol=1e-5) would have "
             f"caught {t['allclose_would_catch']}/{t['pairs']}, a next-token check "
             f"{t['top1_would_catch']}/{t['pairs']}. A prefill-only check caught {t['prefill_only_would_catch']} of the "
-            f"{t['decode_pairs']} KV-cache pairs.")
+            f"{t['decode_pairs']} KV-cache pairs. The drill-down found {t['op_right']} of the "
+            f"{t['ops_declared']} mistakes that show inside a layer at the op the catalog declares.")
 
 
 def markdown(rows: list[Row]) -> str:
@@ -138,14 +152,15 @@ def markdown(rows: list[Row]) -> str:
     This is what README.md shows, pasted as written by `parity selftest --markdown FILE`.
     """
     lines = ["<details><summary>The full matrix</summary>", "",
-             "| family | bug | dtype | check | detected | first divergence | diagnosis | prefill-only | allclose(1e-5) "
-             "| top-1 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| family | bug | dtype | check | detected | first divergence | first op | diagnosis | prefill-only "
+             "| allclose(1e-5) | top-1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     mark = {True: "yes", False: "no"}
     for r in rows:
         diag = "-" if r.diagnosed is None else (r.diagnosed + ("" if r.diagnosis_right or r.bug == "clean" else " ✗"))
         prefill = "-" if r.prefill_caught is None else "caught" if r.prefill_caught else "passed"
+        op = "-" if r.first_op is None else r.first_op + (" ✗" if r.op_right is False else "")
         lines.append(f"| {r.family} | {r.bug} | {r.dtype} | {r.check} | {mark[r.detected]} | "
-                     f"{r.first_divergence or '-'} | {diag} | {prefill} | {mark[r.allclose_caught]} | "
+                     f"{r.first_divergence or '-'} | {op} | {diag} | {prefill} | {mark[r.allclose_caught]} | "
                      f"{mark[r.top1_caught]} |")
     return "\n".join(lines + ["", "</details>", "", summary(rows)])

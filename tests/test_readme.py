@@ -126,11 +126,12 @@ def parse_matrix(markdown: str) -> list[selftest.Row]:
     yes = {"yes": True, "no": False}
     rows = []
     prefill_only = {"-": None, "caught": True, "passed": False}
-    for family, bug, dtype, check, detected, first, diagnosed, prefill, allclose, top1 in cells(
+    for family, bug, dtype, check, detected, first, op, diagnosed, prefill, allclose, top1 in cells(
             "\n".join(line for line in markdown.splitlines() if line.startswith("|"))):
         diagnosed = None if diagnosed == "-" else diagnosed.removesuffix(" ✗")
         rows.append(selftest.Row(family, bug, dtype, yes[detected], None if first == "-" else first, diagnosed,
-                                 yes[allclose], yes[top1], check, prefill_only[prefill]))
+                                 yes[allclose], yes[top1], check, prefill_only[prefill],
+                                 None if op == "-" else op.removesuffix(" ✗")))
     return rows
 
 

@@ -4,7 +4,9 @@ The reference's token ids go into one batch with every position's logits request
 callback (``cb_eval`` in the context parameters) sees every tensor the graph computes, named as the model
 code names them (``attn_norm-0``, ``l_out-0``, ``result_norm``, ...). The tensors in POINTS are read back as
 they are computed and emitted under parity's capture-point names; the points llama.cpp does not materialise
-are reported as not compared.
+are reported as not compared. With ``options.ops`` (``--points ops``, a drill-down) the operation-level points are
+read from the same graph (parity.gguf_ops: which tensor holds which op, the scores rebuilt from the softmax's input,
+scale and mask, q/k rows put back in the reference's order); the reference's ops it lacks are named in a warning.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ _NE_OFFSET = 16  # struct ggml_tensor: enum ggml_type type; (padding); ggml_back
 # ... size_t nb[4]; enum ggml_op op; int32_t op_params[16]; int32_t flags; ggml_tensor * src[10]; view_src;
 # view_offs; data; char name[64]: src[] sits 104 bytes before the name (checked against ggml_get_name)
 _SRC_BEFORE_NAME, _N_SRC = 104, 2
+_PARAMS_BEFORE_NAME = 172  # int32_t op_params[16] (read as floats: a softmax's scale and ALiBi bias)
 _LOCK = threading.Lock()  # one llama.cpp run at a time: its logging and backend state are process-wide
 
 
@@ -81,6 +84,8 @@ def _ggml():
     lib.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_tensor_get.restype = None
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_op_desc.restype = ctypes.c_char_p
+    lib.ggml_op_desc.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -97,6 +102,28 @@ def _read(lib, t: int) -> torch.Tensor | None:
     return out.float()
 
 
+class _Node:
+    """A graph tensor as parity.gguf_ops reads it (its Node protocol): name, op, sources, op parameters."""
+
+    def __init__(self, lib, address: int, src_ok: bool, name: str | None = None):
+        self.lib, self.address, self.src_ok = lib, address, src_ok
+        self.name = name if name is not None else (lib.ggml_get_name(address) or b"").decode(errors="replace")
+        self.op = (lib.ggml_op_desc(address) or b"").decode(errors="replace")
+
+    def read(self) -> torch.Tensor | None:
+        return _read(self.lib, self.address)
+
+    def src(self, k: int) -> _Node | None:
+        if not self.src_ok or k >= _N_SRC:
+            return None
+        address = (ctypes.c_void_p * _N_SRC).from_address(self.lib.name_at(self.address) - _SRC_BEFORE_NAME)[k]
+        return _Node(self.lib, address, self.src_ok) if address else None
+
+    def param(self, k: int) -> float:
+        at = self.lib.name_at(self.address) - _PARAMS_BEFORE_NAME + 4 * k
+        return ctypes.c_float.from_address(at).value if self.src_ok else 0.0
+
+
 def _layout_known(lib) -> bool:
     """Whether struct ggml_tensor is laid out as _SRC_BEFORE_NAME assumes: a tensor made here, named, whose
     src[0] is set through ggml's own API, reads back from that offset (else no point is read by a weight's use)."""
@@ -106,9 +133,10 @@ def _layout_known(lib) -> bool:
 
         lib.ggml_init.restype = ctypes.c_void_p
         lib.ggml_init.argtypes = [Params]
-        lib.ggml_new_tensor_1d.restype = lib.ggml_add.restype = ctypes.c_void_p
+        lib.ggml_new_tensor_1d.restype = lib.ggml_add.restype = lib.ggml_scale.restype = ctypes.c_void_p
         lib.ggml_new_tensor_1d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
         lib.ggml_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.ggml_scale.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
         lib.ggml_free.argtypes = [ctypes.c_void_p]
         ctx = lib.ggml_init(Params(1 << 16, None, True))
         try:
@@ -116,7 +144,9 @@ def _layout_known(lib) -> bool:
             b = lib.ggml_new_tensor_1d(ctx, _GGML_F32, 4)
             c = lib.ggml_add(ctx, a, b)
             src = (ctypes.c_void_p * 2).from_address(lib.name_at(c) - _SRC_BEFORE_NAME)
-            return src[0] == a and src[1] == b
+            scaled = lib.ggml_scale(ctx, a, 2.5)  # op_params[0] = 2.5
+            param = ctypes.c_float.from_address(lib.name_at(scaled) - _PARAMS_BEFORE_NAME).value
+            return src[0] == a and src[1] == b and param == 2.5
         finally:
             lib.ggml_free(ctx)
     except (AttributeError, OSError, ValueError):
@@ -124,9 +154,11 @@ def _layout_known(lib) -> bool:
 
 
 class GGUFRun:
-    """One llama.cpp model and context: ``run(ids)`` -> {capture point: tensor [1, S, width]}."""
+    """One llama.cpp model and context: ``run(ids)`` -> {capture point: tensor [1, S, width]}; with ``ops``, the
+    operation-level points too (parity.gguf_ops), q/k rows in the order of the reference ``resolved``."""
 
-    def __init__(self, path: Path, n_tokens: int, points: dict[str, str] | None = None):
+    def __init__(self, path: Path, n_tokens: int, points: dict[str, str] | None = None, ops: bool = False,
+                 resolved=None):
         try:
             import llama_cpp
         except ImportError:
@@ -151,6 +183,11 @@ class GGUFRun:
         self.by_use: set[str] = set()  # captured points read from a weight's use (CONSUMERS), not by name
         self.layer: int | None = None
         self.src_ok = _layout_known(self.lib)
+        self.ops = None
+        if ops:
+            from ..gguf_ops import OpCapture, row_order
+
+            self.ops = OpCapture(row_order(resolved, llama_cpp.llama_model_rope_type(self.model)))
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = max(n_tokens, 16)
@@ -159,7 +196,9 @@ class GGUFRun:
         # llama.cpp's default KV cache is F16: the keys and values of a float32 model would be rounded before
         # attention. The cache holds what the model computes, in float32, so that only the port is compared.
         cparams.type_k = cparams.type_v = _GGML_F32
-        cparams.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED: the CPU flash kernel rounds Q to F16
+        # LLAMA_FLASH_ATTN_TYPE_DISABLED: the CPU flash kernel rounds Q to F16, and it fuses q·kᵀ, the softmax and
+        # the product with v into one op, so that the ops read scores, probabilities and context from would not exist
+        cparams.flash_attn_type = 0
         cparams.cb_eval = self._callback
         cparams.cb_eval_user_data = None
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
@@ -173,8 +212,11 @@ class GGUFRun:
             self.layer = int(indexed.group(1))
         point = _point(name, self.points, self.layer)
         consumed = None if point is not None else self._consumer(t)
+        node = _Node(self.lib, t, self.src_ok, name) if self.ops is not None else None
         if ask:
-            return point is not None or consumed is not None
+            return point is not None or consumed is not None or (node is not None and self.ops.wants(node))
+        if node is not None:
+            self.ops.take(node)
         # the first "ffn_out" is the MLP's output; a point the graph names replaces one read from a weight's use
         if (point is not None and (point not in self.captured or point in self.by_use)) or (
                 consumed is not None and (consumed not in self.captured or consumed in self.by_use)):
@@ -216,8 +258,12 @@ class GGUFRun:
                 batch.logits[k] = True
             batch.n_tokens = n
             self.captured, self.by_use, self.layer = {}, set(), None
+            if self.ops is not None:
+                self.ops.begin(n, start + n)  # a cache filled from cell 0 in order: its first start + n cells
             if llama_cpp.llama_decode(self.ctx, batch) != 0:
                 raise ParityError(f"llama.cpp failed to decode {'the prompt' if start == 0 else f'position {start}'}")
+            if self.ops is not None:
+                self.captured.update(self.ops.captured)
             if "logits" not in self.captured:
                 raw = llama_cpp.llama_get_logits(self.ctx)
                 self.captured["logits"] = torch.tensor(raw[: n * self.vocab]).reshape(1, n, self.vocab)
@@ -269,17 +315,17 @@ def detect(path: Path) -> bool:
 
 
 def make_runner(candidate, ids: torch.Tensor, feed):
-    path, ckpt = candidate.path, candidate.ckpt
+    ckpt = candidate.ckpt
     if ids.shape[0] != 1:
         raise ParityError("a GGUF candidate runs one sequence at a time")
 
     def run(emit) -> None:
         with _LOCK:
-            spec = ckpt.adapter.spec.gguf if ckpt is not None else None
-            engine = GGUFRun(Path(path), ids.shape[1], spec.points if spec is not None else None)
+            engine = _engine(candidate, ids.shape[1])
             try:
                 captured = engine.run(ids[0].tolist())
                 _compare_tokenization(candidate.notes, ckpt, engine, ids[0].tolist())
+                _note_ops(candidate, engine, captured)
             finally:
                 engine.close()
         for name in sorted(captured, key=_order):
@@ -291,15 +337,13 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The prompt, then each token as one llama.cpp decode step (its own KV cache, F32 as above), each step's
     capture points read through the same eval callback."""
-    path, ckpt = candidate.path, candidate.ckpt
     if ids.shape[0] != 1:
         raise ParityError("a GGUF candidate runs one sequence at a time")
 
     def run(emit) -> None:
         s = ids.shape[1]
         with _LOCK:
-            spec = ckpt.adapter.spec.gguf if ckpt is not None else None
-            engine = GGUFRun(Path(path), s + len(tokens), spec.points if spec is not None else None)
+            engine = _engine(candidate, s + len(tokens), ops=False)  # decode steps compare layer points only
             try:
                 engine.run(ids[0].tolist())
                 steps = [engine.run([token], start=s + k) for k, token in enumerate(tokens)]
@@ -310,6 +354,29 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
                 emit(step, name, captured[name])
 
     return run
+
+
+def _engine(candidate, n_tokens: int, ops: bool = True) -> GGUFRun:
+    """The candidate's llama.cpp run, with the architecture's own point meanings (its adapter's [gguf] points) and,
+    where the check wants them, the operation-level points."""
+    ckpt = candidate.ckpt
+    spec = ckpt.adapter.spec.gguf if ckpt is not None else None
+    return GGUFRun(Path(candidate.path), n_tokens, spec.points if spec is not None else None,
+                   ops=ops and candidate.options.ops, resolved=ckpt.resolved if ckpt is not None else None)
+
+
+def _note_ops(candidate, engine: GGUFRun, captured: dict) -> None:
+    """Warn of the reference's ops llama.cpp's graph did not give (and of what it said while reading them)."""
+    if engine.ops is None:
+        return
+    from ..gguf_ops import missing
+
+    for text in engine.ops.notes:
+        candidate.notes.warn(f"llama.cpp: {text}")
+    expected = [c.name for c in getattr(candidate.ckpt.resolved, "ops", ())] if candidate.ckpt is not None else []
+    lacking = missing(captured, expected)  # the reference's ops: concrete names (layers.3.attn.q)
+    if lacking:
+        candidate.notes.warn(f"llama.cpp's graph exposes no {', '.join(lacking)}: not compared")
 
 
 def _compare_tokenization(notes, ckpt, engine: GGUFRun, ids: list[int]) -> None:

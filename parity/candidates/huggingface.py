@@ -6,6 +6,11 @@ transformers (the reference stays eager), and ``--compile`` runs it under torch.
 checked as candidates (``--reference M --candidate M --candidate-attn sdpa``). A kernel that cannot express a
 convention the config asks for is refused with the reason (KERNEL_LIMITS); one that drops it silently (a
 kernel registered with transformers' AttentionInterface) fails at the first layer it touches.
+
+With ``options.ops`` (``--points ops``, a drill-down) it emits the adapter's operation-level points too: all of them
+under eager; under another kernel those read at module inputs and outputs only (the queries, keys, scores and
+probabilities are read from eager attention), and none under ``--compile`` (hooks inside compiled code would break
+its graphs); the report is told which.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..capture import ATTENTION
 from ..checkpoint import inventory, open_checkpoint, refuse_mismatched, weight_files
 from ..errors import ParityError
 from ..models import hf_decoder, hf_runner
@@ -45,7 +51,7 @@ def kernels() -> list[str]:
     its AttentionInterface (sdpa, flex_attention, flash_attention_*, and any a user registered)."""
     from transformers import AttentionInterface
 
-    names = ["eager"] + [k for k in AttentionInterface._global_mapping if not k.startswith("paged|")]
+    names = ["eager"] + [k for k in AttentionInterface._global_mapping if not k.startswith("paged|") and k != ATTENTION]
     return list(dict.fromkeys(names))
 
 
@@ -99,19 +105,37 @@ def _built(run, attn: str, compile: bool):
     return guarded
 
 
+def points(candidate, ckpt, attn: str, compile: bool) -> set[str] | None:
+    """What the candidate emits: every capture point (None), and with ``options.ops`` the ops it can read."""
+    if not candidate.options.ops:
+        return None
+    ops = ckpt.resolved.ops
+    if compile:
+        candidate.notes.warn("--compile: the transformers candidate emits no operation-level points (hooks inside "
+                             "compiled code would break its graphs)")
+        ops = []
+    elif attn != "eager":
+        if any(o.io == "attention" for o in ops):
+            candidate.notes.warn(f"--candidate-attn {attn}: the transformers candidate emits no queries, keys, "
+                                 f"scores or probabilities after RoPE (they are read from eager attention only)")
+        ops = [o for o in ops if o.io != "attention"]
+    return {c.name for c in ckpt.resolved.capture} | {o.name for o in ops}
+
+
 def make_runner(candidate, ids: torch.Tensor, feed):
     ckpt = open_checkpoint(Path(candidate.path), candidate.models.adapter_dirs)
     attn, compile = kernel(candidate, ckpt)
     return _built(hf_runner(candidate.models, ckpt, candidate.dtype, ids, feed, "candidate",
-                            last=candidate.options.last, attn=attn, compile=compile), attn, compile)
+                            points=points(candidate, ckpt, attn, compile), last=candidate.options.last, attn=attn,
+                            compile=compile), attn, compile)
 
 
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """Decoded with transformers' own cache classes (the cache its config asks for), which checks them too."""
     ckpt = open_checkpoint(Path(candidate.path), candidate.models.adapter_dirs)
     attn, compile = kernel(candidate, ckpt)
-    return _built(hf_decoder(candidate.models, ckpt, candidate.dtype, ids, tokens, attn=attn, compile=compile),
-                  attn, compile)
+    return _built(hf_decoder(candidate.models, ckpt, candidate.dtype, ids, tokens, attn=attn, compile=compile,
+                             points=points(candidate, ckpt, attn, compile)), attn, compile)
 
 
 def shapes(path: Path, adapter_dirs=()) -> list:

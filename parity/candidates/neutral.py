@@ -19,8 +19,11 @@ def detect(path: Path) -> bool:
     return (Path(path) / "manifest.json").is_file()
 
 
-def load(models: Models, path: Path, dtype: torch.dtype, inject: str | None = None):
-    """The executor's model for a neutral directory, loaded once per check (and per injected mistake)."""
+def load(models: Models, path: Path, dtype: torch.dtype, inject: str | None = None,
+         source_rope_style: str | None = None):
+    """The executor's model for a neutral directory, loaded once per check (and per injected mistake).
+    ``source_rope_style``: the RoPE style of the checkpoint it was converted from (the reference's), in whose q/k
+    row order its operation-level points are emitted."""
     from .. import bugs
     from ..executor.model import NeutralModel
     from ..manifest import load as read
@@ -31,15 +34,27 @@ def load(models: Models, path: Path, dtype: torch.dtype, inject: str | None = No
         manifest, tensors = read(path, lazy=models.stream and not inject)
         if inject:  # the executor runs the mistake exactly as a port would
             manifest, tensors = bugs.inject(inject, manifest, tensors, bugs.families())
-        models.loaded[key] = NeutralModel(manifest, tensors, dtype, models.device["candidate"])
+        models.loaded[key] = NeutralModel(manifest, tensors, dtype, models.device["candidate"], source_rope_style)
     return models.loaded[key]
 
 
+def _source_rope_style(candidate) -> str | None:
+    """The reference checkpoint's RoPE style: the q/k row order operation-level points are emitted in."""
+    ckpt = candidate.ckpt
+    style = None if ckpt is None else ckpt.resolved["positions.rope_style"]
+    return style if style in ("half", "interleaved") else None
+
+
+def _model(candidate):
+    return load(candidate.models, candidate.path, candidate.dtype, candidate.options.inject,
+                _source_rope_style(candidate))
+
+
 def make_runner(candidate, ids: torch.Tensor, feed):
-    model = load(candidate.models, candidate.path, candidate.dtype, candidate.options.inject)
+    model = _model(candidate)
 
     def run(emit: Emit) -> None:
-        model(ids, on_point=emit, feed=feed, layers=candidate.options.layers)
+        model(ids, on_point=emit, feed=feed, layers=candidate.options.layers, ops=candidate.options.ops)
 
     return run
 
@@ -47,13 +62,14 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The prompt, then one token per step through the executor's KV cache (parity.executor.cache), following
     the manifest's cache policy (an injected decode bug changes it)."""
-    model = load(candidate.models, candidate.path, candidate.dtype, candidate.options.inject)
+    model = _model(candidate)
 
     def run(emit) -> None:
         cache = model.new_cache()
         model(ids, cache=cache)
         for step, token in enumerate(tokens, 1):
-            model(torch.tensor([[token]]), on_point=lambda name, t: emit(step, name, t), cache=cache)
+            model(torch.tensor([[token]]), on_point=lambda name, t: emit(step, name, t), cache=cache,
+                  ops=candidate.options.ops)
 
     return run
 

@@ -9,7 +9,7 @@ from. The plan is frozen: nothing downstream changes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -85,6 +85,7 @@ class Plan:
     diagnose: bool
     weights: Path | None         # the checkpoint a diagnosis re-runs: the reference, or a golden's --checkpoint
     adapter_dirs: tuple
+    ops: bool = False            # operation-level points compared too (--points ops, a drill-down: docs/ops.md)
 
     @property
     def low(self) -> torch.dtype:
@@ -110,11 +111,29 @@ class Plan:
         check (its layers are all it tests); a golden compares what it holds."""
         wanted = [p for p in names.compared_points(self.checkpoint, self.layerwise, self.isolate or not self.span.whole)
                   if self.span.holds(p)]
+        if self.ops:
+            wanted = sorted(wanted + [p for p in op_points(self.checkpoint) if self.span.holds(p)],
+                            key=names.point_order)
         held = self.reference.points
         return wanted if held is None else [p for p in wanted if p in held]
 
     def step_points(self) -> list[str]:
         return names.compared_points(self.checkpoint, self.layerwise)
+
+    def drill(self, layer: int) -> Plan:
+        """The plan that re-runs layer ``layer`` at op granularity (parity.checker.drill): every point of that layer
+        and its ops, the candidate fed the reference's input to it where it can be, both sides stopping after it."""
+        span = Span(layer, layer + 1, self.span.of)
+        options = replace(self.candidate.options, ops=True, layerwise=True, layers=range(span.start, span.stop),
+                          last=layer if span.stop < span.of else None)
+        side = CandidateSide(self.kind, self.candidate.path, options, self.candidate.dtype, self.checkpoint)
+        side.notes = self.candidate.notes  # what it warns of goes to the same report
+        return replace(self, candidate=side, span=span, layerwise=True, ops=True, decode=0, generate=0)
+
+
+def op_points(ckpt) -> list[str]:
+    """The operation-level points the checkpoint's adapter maps (its [ops] table), in forward order."""
+    return sorted((c.name for c in ckpt.resolved.ops), key=names.point_order)
 
 
 def _count(name: str, value, what: str) -> None:
@@ -129,13 +148,15 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
               adapter_dirs=(), provider: str | None = None, maps=(), attn: str | None = None, compile: bool = False,
               engine_options=(), stream: bool | None = None,
               device: str = "cpu", candidate_device: str | None = None, layers: str | None = None,
-              decode: int = 0, arithmetic=None, same_weights: bool = False) -> Plan:
+              decode: int = 0, arithmetic=None, same_weights: bool = False, points: str = "layers") -> Plan:
     """The plan of ``parity check`` for these options (parity.checker.run.check documents them), or the
     ParityError of the first one that cannot be honoured."""
     from .. import bugs
 
     if dtype not in DTYPES:
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if points not in ("layers", "ops"):
+        raise ParityError(f"--points {points!r}: expected layers (the capture points) or ops (every operation too)")
     _count("generate", generate, "tokens")
     _count("decode", decode, "steps")
     tolerances = Tolerances(dtype, list(tolerance))
@@ -172,8 +193,12 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
         _check_span(span, truth, kind, generate, Path(candidate))
     if kind.validate is not None:  # e.g. a checkpoint of an unknown family, or with wrong tensors: refused now
         kind.validate(Path(candidate), adapter_dirs)
-    options = _candidate_options(kind, provider=provider, maps=maps, layerwise=layerwise, inject=inject, span=span,
-                                 attn=attn, compile=compile, engine=engine_options)
+    ops = points == "ops"
+    if ops and not truth.stored and not op_points(ckpt):
+        raise ParityError(f"--points ops: the {ckpt.resolved.family} adapter maps no operation-level points (its "
+                          f"[ops] table); drop --points ops")
+    options = _candidate_options(kind, provider=provider, maps=maps, layerwise=layerwise or ops, inject=inject,
+                                 span=span, attn=attn, compile=compile, engine=engine_options, ops=ops)
     side = CandidateSide(kind, Path(candidate), options, DTYPES[dtype], ckpt)
     chosen = stream is None
     if chosen:
@@ -185,9 +210,9 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
                  and _quantized(kind, Path(candidate), dict(options.engine)))
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
     weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
-    return Plan(truth, side, dtype, layerwise, isolate, calibrate, quantized, arithmetic, tolerances, inputs, span,
-                decode, generate, bool(stream), chosen and bool(stream), device, candidate_device, diagnose, weights,
-                tuple(adapter_dirs))
+    return Plan(truth, side, dtype, layerwise or ops, isolate, calibrate, quantized, arithmetic, tolerances, inputs,
+                span, decode, generate, bool(stream), chosen and bool(stream), device, candidate_device, diagnose,
+                weights, tuple(adapter_dirs), ops)
 
 
 def _decode_prompt(truth, isolate: bool, layers: str | None, n: int, prompt, ids, length, inputs_file) -> int | None:
@@ -220,7 +245,7 @@ def _check_span(span: Span, truth, kind: Kind, generate: int, candidate: Path) -
 
 
 def _candidate_options(kind: Kind, *, provider, maps, layerwise: bool, inject: str | None, span: Span,
-                       attn: str | None = None, compile: bool = False, engine=()) -> Options:
+                       attn: str | None = None, compile: bool = False, engine=(), ops: bool = False) -> Options:
     """The candidate's options, of the fields its kind reads: --provider and --map (ONNX) parsed, --candidate-attn
     and --compile (transformers), --engine-option checked against its kind's keys; each refused for a kind that
     does not read it."""
@@ -236,7 +261,7 @@ def _candidate_options(kind: Kind, *, provider, maps, layerwise: bool, inject: s
     given = {"layerwise": layerwise, "provider": provider, "map": tuple(sorted(parsed.items())), "inject": inject,
              "layers": range(span.start, span.stop), "last": span.stop - 1 if span.stop < span.of else None,
              "attn": attn, "compile": compile, "engine": tuple(sorted(given_engine.items()))}
-    return Options(**{name: value for name, value in given.items() if name in kind.options})
+    return Options(ops=ops, **{name: value for name, value in given.items() if name in kind.options})
 
 
 def engine_options(kind: Kind, items) -> dict[str, str]:

@@ -149,8 +149,12 @@ class PromptCheck:
     """Prompt ``k`` (token ids ``ids``) of a plan, run on ``models``."""
 
     def __init__(self, plan: Plan, models: Models, k: int, ids: torch.Tensor, say: Callable[[str], None],
-                 on_layer: Callable[[str, int, int], None] | None, quantized: Checkpoint | None = None):
-        """``quantized``: the candidate's own dequantized weights, whose twin measures its quantization noise."""
+                 on_layer: Callable[[str, int, int], None] | None, quantized: Checkpoint | None = None,
+                 keep_layer: int | None = None):
+        """``quantized``: the candidate's own dequantized weights, whose twin measures its quantization noise;
+        ``keep_layer``: keep both sides of every failing point of that layer (a drill-down: parity.checker.drill),
+        as a check that captures ops keeps those of its first failing layer."""
+        self.keep_layer = keep_layer
         self.plan, self.models, self.k, self.ids, self.say, self.on_layer = plan, models, k, ids, say, on_layer
         self.quantized = quantized
         span, n_layers = plan.span, plan.checkpoint.resolved.num_layers
@@ -269,7 +273,11 @@ class PromptCheck:
         input to the failing layer (the diagnosis re-runs only that layer)."""
         first_failure = not result.passed and len(self.out.failing) == 1
         kept = self.out.kept
-        if name in ("logits", "final_norm") or first_failure:
+        layer = names.layer_of(name)
+        if first_failure and self.keep_layer is None and self.plan.ops:
+            self.keep_layer = layer  # ops captured: the drill-down looks at every failing op of this layer
+        in_layer = not result.passed and layer is not None and layer == self.keep_layer
+        if name in ("logits", "final_norm") or first_failure or in_layer:
             kept.setdefault("candidate", {})[name] = _held(got)
             kept.setdefault("reference", {})[name] = _held(ref)
         if first_failure and names.layer_of(name) in self.layer_input:

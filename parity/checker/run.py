@@ -27,6 +27,7 @@ from ..inputs import check_length
 from ..lengths import exercised
 from ..models import Models, first_device
 from ..report import Report
+from .drill import drill
 from .judge import merge
 from .plan import Plan, engine_options, make_plan
 from .prefill import PromptCheck
@@ -85,6 +86,8 @@ def run(plan: Plan, *, progress: Callable[[str], None] | None = None,
         merge(report, prompt.results, prompt.logits)
     report.inputs = {"runs": runs}
     decoded = _decode(plan, models, stepped, report, say) if plan.decode else None
+    if plan.diagnose:  # the first diverging layer at op granularity (docs/ops.md)
+        drill(plan, models, report, kept_by_run, quantized, say)
     report.matching = plan.candidate.notes.matching
     report.warnings += [w for w in plan.candidate.notes.warnings if w not in report.warnings]
     _diagnose(plan, report, kept_by_run, decoded, say)
@@ -141,7 +144,7 @@ def _diagnose(plan: Plan, report: Report, kept_by_run: dict[int, dict], decoded,
         say("diagnosing")
         report.diagnosis = diagnose(plan.weights, first.name, first.tolerance.rel_l2, kept["candidate"],
                                     kept["reference"], kept["ids"], plan.low, adapter_dirs=plan.adapter_dirs,
-                                    layer_input=kept.get("layer_input"))
+                                    layer_input=kept.get("layer_input"), drilldown=report.drilldown)
 
 
 def _generate(plan: Plan, models: Models, report: Report) -> None:

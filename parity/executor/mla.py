@@ -32,7 +32,7 @@ from .ops import norm
 
 
 def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                  cache_kv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None) -> Tensor:
+                  cache_kv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None, op=None) -> Tensor:
     """MLA output [B, S, H] (what o_proj returns) in x's dtype.
 
     Args:
@@ -48,18 +48,26 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
         mask: additive [B or 1, 1, S, S] (0 where attending, -inf where not), or None.
         cache_kv: the KV cache's hook: given this call's per-head keys and values [B, n, S, *], the ones to attend to
             (a decode step: every cached one, this step's included).
+        op: where the operation-level points go (parity.executor.ops.LayerOps; None: not emitted): attn.q (the
+            query projection's output), attn.kv_compressed (kv_a's), attn.kv_norm (its latent part normed),
+            attn.scores, attn.probs, attn.context (no q_rope, k_rope: only part of each head rotates).
     """
     B, S, _ = x.shape
     n, nope, rope, v_dim = spec["heads"], spec["qk_nope_head_dim"], spec["qk_rope_head_dim"], spec["v_head_dim"]
 
     q = _queries(x, w, spec)                                        # [B, S, n * (nope + rope)]
+    kv_a = F.linear(x, w["attn.kv_a.weight"], w.get("attn.kv_a.bias"))  # [B, S, kv_lora_rank + rope]
+    if op is not None:
+        op("attn.q", q)
+        op("attn.kv_compressed", kv_a)
     q = q.view(B, S, n, nope + rope).transpose(1, 2)                # [B, n, S, nope + rope]
     q_nope, q_rope = q.split([nope, rope], dim=-1)
 
-    kv_a = F.linear(x, w["attn.kv_a.weight"], w.get("attn.kv_a.bias"))  # [B, S, kv_lora_rank + rope]
     c, k_rope = kv_a.split([spec["kv_lora_rank"], rope], dim=-1)
     if spec["kv_a_norm"] is not None:
         c = rms_norm(c, w["attn.kv_a_norm.weight"], spec["kv_a_norm"])  # [B, S, kv_lora_rank]
+    if op is not None:
+        op("attn.kv_norm", c)
     k_rope = k_rope.view(B, 1, S, rope)                             # one rope head shared by all heads
 
     q_rope = apply_rope(q_rope, cos, sin, spec["rope_style"])
@@ -80,6 +88,10 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, v)                                    # [B, n, S, v]
     out = out.transpose(1, 2).reshape(B, S, n * v_dim)              # [B, S, n * v]
+    if op is not None:
+        op.scores(scores)
+        op.heads("attn.probs", probs)
+        op("attn.context", out)
     return F.linear(out, w["attn.o.weight"], w.get("attn.o.bias"))  # [B, S, H]
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from . import rope as rope_fn
 from .cache import KVCache
-from .ops import ACTIVATIONS, norm, softcap
+from .ops import ACTIVATIONS, LayerOps, norm, row_order, softcap
 
 OnPoint = Callable[[str, torch.Tensor], None]
 
@@ -33,11 +33,17 @@ def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
 class NeutralModel:
     """Runs a neutral checkpoint. ``model(ids, on_point=...)`` returns logits (or the last hidden state)."""
 
-    def __init__(self, manifest: dict, tensors, dtype: torch.dtype | None = None, device: str = "cpu"):
+    def __init__(self, manifest: dict, tensors, dtype: torch.dtype | None = None, device: str = "cpu",
+                 source_rope_style: str | None = None):
         """``tensors``: every tensor by name, or a source that reads them when used (parity.lazy.NeutralSource:
         ``resident()``, ``layer(i)``, ``rows(name, ids)``, ``row_chunks(name, dtype)``), which holds one layer's
-        weights at a time, reads only the embedding rows a prompt uses and applies the head in chunks."""
+        weights at a time, reads only the embedding rows a prompt uses and applies the head in chunks.
+        ``source_rope_style``: the RoPE style of the checkpoint this one was converted from ("half" |
+        "interleaved"; default: the manifest's ``source.rope_style``, else its own ``rope_style``, i.e. not
+        restyled), so that operation-level points put q/k rows back in that checkpoint's order."""
         self.m = manifest
+        self.source_rope_style = source_rope_style or manifest.get("source", {}).get("rope_style")
+        self.row_orders: dict[int, dict[str, torch.Tensor]] = {}
         self.dtype = dtype or getattr(torch, manifest["dtype"])
         self.device = torch.device(device)
         # tensors stored in float32 in a lower-precision model (a float32 router) stay float32
@@ -57,6 +63,14 @@ class NeutralModel:
 
         manifest, tensors = load(path)
         return cls(manifest, tensors, dtype)
+
+    def row_order(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's ops whose q/k rows the conversion's --rope-style permuted: the index restoring the source's
+        order (executor.ops.row_order; the weights' rows are in the manifest's ``rope_style``)."""
+        if i not in self.row_orders:
+            self.row_orders[i] = row_order(self.m["layers"][i]["attention"], self.m.get("rope_style"),
+                                           self.source_rope_style)
+        return self.row_orders[i]
 
     def layer_weights(self, i: int) -> dict[str, torch.Tensor]:
         prefix = f"layers.{i}."
@@ -131,100 +145,134 @@ class NeutralModel:
         return torch.zeros(s, t, device=self.device).masked_fill(~allowed, float("-inf"))
 
     def attention(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor,
-                  shared: dict, i: int, cache: KVCache | None = None) -> torch.Tensor:
+                  shared: dict, i: int, cache: KVCache | None = None, op: LayerOps | None = None) -> torch.Tensor:
         """Multi-head attention of layer i with GQA, QK/v-norms, RoPE, softcap and windows: [B, S, D] -> [B, S, D].
-        With a ``cache``, the keys it holds are attended to before this call's, and it keeps them for the next."""
+        With a ``cache``, the keys it holds are attended to before this call's, and it keeps them for the next.
+        ``op``: where its operation-level points go (None: not emitted)."""
         b, s, _ = x.shape
-        h, kvh, dh = att["heads"], att["kv_heads"], att["head_dim"]
+        own = att["kv_shared_from"] is None                                          # else another layer's K/V
         q = linear(x, w, "attn.q")                                                   # [B, S, H*Dh]
-        if att["qk_norm"] == "full_width":
-            q = self._norm(q, att["q_norm"], w, "attn.q_norm")
-        q = q.view(b, s, h, dh)
-        if att["qk_norm"] == "per_head":
-            q = self._norm(q, att["q_norm"], w, "attn.q_norm")
-        q = q.transpose(1, 2)                                                        # [B, H, S, Dh]
-        cos_sin = None
+        k = linear(x, w, "attn.k") if own else None                                  # [B, S, K*Dh]
+        v = (k if att["k_eq_v"] else linear(x, w, "attn.v")) if own else None        # k_eq_v: values = raw keys
+        if op is not None:
+            op("attn.q", q)
+            if own:
+                op("attn.k", k)
+                if not att["k_eq_v"]:  # no value projection to read
+                    op("attn.v", v)
+        q = self.qk_norm(q, w, att, "q", op).transpose(1, 2)                         # [B, H, S, Dh]
+        if own:
+            k = self.qk_norm(k, w, att, "k", op).transpose(1, 2)                     # [B, K, S, Dh]
+            v = self._norm(v.view(b, s, att["kv_heads"], att["head_dim"]), att["v_norm"], w, "attn.v_norm")
+            v = v.transpose(1, 2)
         if att["rope"] is not None:
             cos_sin = rope_fn.cos_sin(att["rope"], positions)
             q = rope_fn.apply(q, *cos_sin, att["rope"])
-
-        if att["kv_shared_from"] is not None:
-            k, v = shared[att["kv_shared_from"]]                                     # another layer's K/V
-        else:
-            k = linear(x, w, "attn.k")                                               # [B, S, K*Dh]
-            v = k if att["k_eq_v"] else linear(x, w, "attn.v")                       # values = raw keys
-            if att["qk_norm"] == "full_width":
-                k = self._norm(k, att["k_norm"], w, "attn.k_norm")
-            k, v = k.view(b, s, kvh, dh), v.view(b, s, kvh, dh)
-            if att["qk_norm"] == "per_head":
-                k = self._norm(k, att["k_norm"], w, "attn.k_norm")
-            v = self._norm(v, att["v_norm"], w, "attn.v_norm")
-            k, v = k.transpose(1, 2), v.transpose(1, 2)                              # [B, K, S, Dh]
-            if cos_sin is not None:
-                k = rope_fn.apply(k, *cos_sin, att["rope"])
-        if cache is not None and att["kv_shared_from"] is None:  # the cached keys, then this call's: [B, K, T, Dh]
+            k = rope_fn.apply(k, *cos_sin, att["rope"]) if own else k
+            if op is not None:
+                op.heads("attn.q_rope", q)
+                if own:
+                    op.heads("attn.k_rope", k)
+        if not own:
+            k, v = shared[att["kv_shared_from"]]
+        elif cache is not None:  # the cached keys, then this call's: [B, K, T, Dh]
             k, v = cache.extend(i, k, v, att["sliding_window"])
         if i in self.kv_sources:
             shared[i] = (k, v)  # a later layer reuses this layer's keys and values
+        return linear(self.attend(q, k, v, att, positions, cache, op), w, "attn.o")
 
+    def qk_norm(self, x: torch.Tensor, w: dict, att: dict, which: str, op: LayerOps | None) -> torch.Tensor:
+        """q or k [B, S, n*Dh] -> [B, S, n, Dh] through its QK-Norm, full width or per head (if any)."""
+        b, s, _ = x.shape
+        kind, name = att["qk_norm"], f"attn.{which}_norm"
+        if kind == "full_width":
+            x = self._norm(x, att[f"{which}_norm"], w, name)
+        x = x.view(b, s, -1, att["head_dim"])
+        if kind == "per_head":
+            x = self._norm(x, att[f"{which}_norm"], w, name)
+        if op is not None and kind != "none":
+            op(name, x)
+        return x
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, att: dict, positions: torch.Tensor,
+               cache: KVCache | None, op: LayerOps | None) -> torch.Tensor:
+        """softmax(q k^T * scale, softcapped, masked) v: q [B, H, S, Dh], k, v [B, K, T, Dh] -> [B, S, H*Dh]."""
+        b, h, s, dh = q.shape
         t = k.shape[2]
-        k = k.repeat_interleave(h // kvh, dim=1)                                     # GQA: [B, H, T, Dh]
-        v = v.repeat_interleave(h // kvh, dim=1)
+        k = k.repeat_interleave(h // k.shape[1], dim=1)                              # GQA: [B, H, T, Dh]
+        v = v.repeat_interleave(h // v.shape[1], dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * att["scale"]                   # [B, H, S, T]
         if cache is None or cache.policy["decode_softcap"] or not cache.decoding:
             scores = softcap(scores, att["softcap"])
         scores = scores + self.mask(positions, t, att).to(scores.dtype)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h * dh)          # [B, S, H*Dh]
-        return linear(out, w, "attn.o")
+        if op is not None:
+            op.scores(scores)
+            op.heads("attn.probs", probs)
+            op("attn.context", out)
+        return out
 
     def mla(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor, i: int,
-            cache: KVCache | None = None) -> torch.Tensor:
+            cache: KVCache | None = None, op: LayerOps | None = None) -> torch.Tensor:
         from .mla import mla_attention
 
         cos, sin = rope_fn.cos_sin({**att["rope"], "style": "half"}, positions)  # mla.py rotates from half tables
         # per-head keys and values are cached, as transformers does
         kv = None if cache is None else (lambda k, v: cache.extend(i, k, v, None))
         t = positions.shape[0] + (0 if cache is None or i not in cache.slots else cache.slots[i][0].shape[2])
-        return mla_attention(x, w, mla_spec(att), cos, sin, self.mask(positions, t, att)[None, None], cache_kv=kv)
+        return mla_attention(x, w, mla_spec(att), cos, sin, self.mask(positions, t, att)[None, None], cache_kv=kv,
+                             op=op)
 
     # ---------------------------------------------------------------- MLP
 
-    def mlp(self, x: torch.Tensor, w: dict, spec: dict, prefix: str = "mlp") -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, w: dict, spec: dict, op: LayerOps | None = None) -> torch.Tensor:
         """Gated: down(act(gate(x)) * up(x)); plain: down(act(up(x)))."""
         act = ACTIVATIONS[spec["activation"]]
-        hidden = act(linear(x, w, f"{prefix}.gate")) * linear(x, w, f"{prefix}.up") if spec["gated"] \
-            else act(linear(x, w, f"{prefix}.up"))
-        return linear(hidden, w, f"{prefix}.down")
+        gate = linear(x, w, "mlp.gate") if spec["gated"] else None
+        up = linear(x, w, "mlp.up")
+        hidden = act(gate) * up if spec["gated"] else act(up)
+        if op is not None:
+            if gate is not None:
+                op("mlp.gate", gate)
+            op("mlp.up", up)
+            op("mlp.act", hidden)
+        return linear(hidden, w, "mlp.down")
 
-    def feed_forward(self, x: torch.Tensor, mid: torch.Tensor, w: dict, spec: dict) -> torch.Tensor:
+    def feed_forward(self, x: torch.Tensor, mid: torch.Tensor, w: dict, spec: dict,
+                     op: LayerOps | None = None) -> torch.Tensor:
         """The MLP sublayer: dense, routed experts instead of it, or both side by side."""
         moe = spec["moe"]
         if moe is None:
-            return self.mlp(x, w, spec)
+            return self.mlp(x, w, spec, op)
         from .moe import moe as routed
 
         flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        # the router's logits [B*S, E] as mlp.router [B, S, E]
+        router = None if op is None else (lambda logits: op("mlp.router", logits.view(*x.shape[:-1], -1)))
         if moe["dense_post_norm"] is None:  # experts replace the dense MLP (DeepSeek-V3)
-            return routed(flat(x), flat(x), w, moe).view_as(x)
-        # experts beside the dense MLP, reading the residual stream through their own norm (Gemma 4)
-        dense = self._norm(self.mlp(x, w, spec), moe["dense_post_norm"], w, "mlp_dense_post_norm")
+            return routed(flat(x), flat(x), w, moe, router).view_as(x)
+        # experts beside the dense MLP, reading the residual stream through their own norm (Gemma 4); the experts
+        # run first, so that the router's op comes before the dense MLP's (forward order, names.OP_POINTS)
         expert_in = self._norm(mid, moe["expert_norm"], w, "moe_norm")
-        experts = routed(flat(mid), flat(expert_in), w, moe).view_as(x)
+        experts = routed(flat(mid), flat(expert_in), w, moe, router).view_as(x)
+        dense = self._norm(self.mlp(x, w, spec, op), moe["dense_post_norm"], w, "mlp_dense_post_norm")
         return dense + self._norm(experts, moe["expert_post_norm"], w, "moe_post_norm")
 
     # ---------------------------------------------------------------- the model
 
     def layer(self, x: torch.Tensor, i: int, positions: torch.Tensor, shared: dict,
-              per_layer: torch.Tensor | None, emit: OnPoint, cache: KVCache | None = None) -> torch.Tensor:
+              per_layer: torch.Tensor | None, emit: OnPoint, cache: KVCache | None = None,
+              ops: bool = False) -> torch.Tensor:
         spec, w = self.m["layers"][i], self.layer_weights(i)
         n, att = spec["norms"], spec["attention"]
         p = f"layers.{i}."
+        op = LayerOps(emit, p, self.row_order(i)) if ops else None
 
         a_in = self._norm(x, n["attn_norm"], w, "attn_norm")
         emit(p + "attn_in", a_in)
-        a = self.mla(a_in, w, att, positions, i, cache) if att["mla"] else \
-            self.attention(a_in, w, att, positions, shared, i, cache)
+        a = self.mla(a_in, w, att, positions, i, cache, op) if att["mla"] else \
+            self.attention(a_in, w, att, positions, shared, i, cache, op)
         a = self._norm(a, n["attn_post_norm"], w, "attn_post_norm")
         emit(p + "attn_out", a)
         x = self._norm(x + a, n["attn_res_norm"], w, "attn_res_norm")
@@ -232,7 +280,7 @@ class NeutralModel:
 
         m_in = self._norm(x, n["mlp_norm"], w, "mlp_norm")
         emit(p + "mlp_in", m_in)
-        m = self.feed_forward(m_in, x, w, spec["mlp"])
+        m = self.feed_forward(m_in, x, w, spec["mlp"], op)
         m = self._norm(m, n["mlp_post_norm"], w, "mlp_post_norm")
         emit(p + "mlp_out", m)
         x = self._norm(x + m, n["mlp_res_norm"], w, "mlp_res_norm")
@@ -262,12 +310,14 @@ class NeutralModel:
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, on_point: OnPoint | None = None, token_types: torch.Tensor | None = None,
                  feed: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-                 layers: range | None = None, cache: KVCache | None = None) -> torch.Tensor:
+                 layers: range | None = None, cache: KVCache | None = None, ops: bool = False) -> torch.Tensor:
         """Run the model. ``feed(i, x)`` may replace layer i's input (i = num_layers: the head's), which is
         how a parity check isolates each layer from the error of the layers before it. ``layers``: run only
         these (a slice of a check: the first is fed its input; the output of the last is returned).
         ``cache`` (from ``new_cache``): the first call is the prefill, each later call continues at the next
-        positions (a decode step: one token) from what the cache holds."""
+        positions (a decode step: one token) from what the cache holds. ``ops``: also emit every layer's
+        operation-level points (docs/ops.md: layers.{i}.attn.q, ..., layers.{i}.mlp.act), in forward order within
+        its sublayers, q/k rows in the source checkpoint's RoPE order (``source_rope_style``)."""
         emit = on_point or (lambda name, t: None)
         feed = feed or (lambda i, x: x)
         ids = (ids if ids.dim() == 2 else ids[None]).to(self.device)
@@ -279,7 +329,7 @@ class NeutralModel:
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         span = layers if layers is not None else range(self.m["num_layers"])
         for i in span:
-            x = self.layer(feed(i, x), i, positions, shared, per_layer, emit, cache)
+            x = self.layer(feed(i, x), i, positions, shared, per_layer, emit, cache, ops)
         if cache is not None:
             cache.advance(ids.shape[1])
         if span.stop < self.m["num_layers"]:

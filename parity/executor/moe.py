@@ -34,6 +34,8 @@ Weights are a dict of neutral names relative to the layer (parity/names.py witho
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -41,7 +43,8 @@ from torch import Tensor
 from .ops import ACTIVATIONS, norm
 
 
-def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict) -> Tensor:
+def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict,
+        on_logits: Callable[[Tensor], None] | None = None) -> Tensor:
     """The MoE block's output [T, H] in the model dtype.
 
     Args:
@@ -57,8 +60,9 @@ def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict) -> Tens
             the router projection; default float32 for sigmoid routing, model for softmax);
             ``weights_dtype`` ("float32" | "model", default float32: the dtype in which the routing
             weights multiply the experts' outputs).
+        on_logits: given the router's logits [T, E] float32 (the ``mlp.router`` operation-level point), if set.
     """
-    weights, index = route(router_input, w, spec)                 # [T, k] float32, [T, k] int64
+    weights, index = route(router_input, w, spec, on_logits)                 # [T, k] float32, [T, k] int64
     if spec.get("weights_dtype") == "model":
         weights = weights.to(expert_input.dtype)                  # Qwen3-MoE: weights rounded to the model dtype
     act = ACTIVATIONS[spec["activation"]]
@@ -68,9 +72,13 @@ def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict) -> Tens
     return out
 
 
-def route(router_input: Tensor, w: dict, spec: dict) -> tuple[Tensor, Tensor]:
-    """Per token, the chosen experts and their weights: (weights [T, k] float32, index [T, k] int64)."""
+def route(router_input: Tensor, w: dict, spec: dict,
+          on_logits: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor]:
+    """Per token, the chosen experts and their weights: (weights [T, k] float32, index [T, k] int64).
+    ``on_logits``: given the router's logits [T, E], if set."""
     logits = router_logits(router_input, w, spec)                 # [T, E] float32
+    if on_logits is not None:
+        on_logits(logits)
     if spec["routing"] == "sigmoid":
         weights, index = _sigmoid_choice(logits, w, spec)
     elif spec["routing"] == "softmax":
