@@ -192,6 +192,7 @@ class _FileSpec(StrictSpec):
 class _Source(StrictSpec):
     family: str
     hash: Literal["blake3", "sha256"] = "sha256"  # of files; absent before parity used BLAKE3
+    rope_style: Optional[Literal["half", "interleaved"]] = None  # the checkpoint's; absent before ops (docs/ops.md)
 
 
 class _ManifestSpec(StrictSpec):

@@ -158,6 +158,8 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype | str, rope_style: str, 
             "architecture": ckpt.variant.architectures[0],
             "model_type": ckpt.config.get("model_type"),
             "path": str(ckpt.path),
+            # the checkpoint's own q/k row order: the executor's ops are emitted in it (docs/ops.md)
+            "rope_style": r["positions.rope_style"] if r["positions.kind"] == "rope" else None,
             "hash": HASH,  # of files (absent from manifests written before BLAKE3: sha256)
             "files": {f.name: hash_file(f) for f in ckpt.files} if hashes else {},
         },

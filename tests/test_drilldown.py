@@ -153,3 +153,43 @@ def test_scores_scaled_on_a_transformers_candidate(tiny_dir, tmp_path):
     first = report["first_divergence"]
     assert first["op"] == "layers.0.attn.scores", report["drilldown"]["summary"]
     assert first["op_before"] == "layers.0.attn.k_rope"
+
+
+def _gguf(checkpoint: Path, out: Path) -> Path:
+    pytest.importorskip("llama_cpp")
+    result = CliRunner().invoke(cli, ["convert", str(checkpoint), "--to", "gguf", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_located_on_a_gguf_candidate(mistake, llama, tmp_path):
+    """llama.cpp runs its graph whole: the drilled layer runs from each side's own input (the layers before it
+    agreed), its ops read from the graph's tensors (parity.gguf_ops)."""
+    edit, op, head = MISTAKES[mistake]
+    candidate = _gguf(_edited(llama, tmp_path / "candidate", edit), tmp_path / "candidate.gguf")
+    result, report = _check(llama, candidate, tmp_path / "r.json")
+    _located(result, report, op, head)
+    assert report["drilldown"]["fed"] == "own"
+
+
+def test_scores_scaled_on_a_gguf_candidate(tmp_path):
+    """llama.cpp's gemma2 scales scores by head_dim ** -0.5 whatever query_pre_attn_scalar says (Gemma 2 27B's
+    144 for a head_dim of 128 was this mistake): against a reference whose query_pre_attn_scalar is 18 for a
+    head_dim of 16, the file's scores are sqrt(18 / 16) = 1.06 times the reference's, and nothing before them
+    differs. The catalog names it too (attn-scale-wrong, which first shows at attn.scores)."""
+    from parity.adapter import load_all
+    from parity.tiny import build_model
+
+    reference = tmp_path / "gemma2"
+    build_model(load_all()["gemma2"], overrides={"attention_bias": False,
+                                                 "query_pre_attn_scalar": 16}).save_pretrained(reference)
+    candidate = _gguf(reference, tmp_path / "gemma2.gguf")
+    config = json.loads((reference / "config.json").read_text())
+    config["query_pre_attn_scalar"] = 18
+    (reference / "config.json").write_text(json.dumps(config))
+    result, report = _check(reference, candidate, tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    first = report["first_divergence"]
+    assert first["op"] == "layers.0.attn.scores" and first["op_before"] == "layers.0.attn.k_rope", first
+    assert report["diagnosis"][0]["bug"] == "attn-scale-wrong"

@@ -84,8 +84,8 @@ def test_a_restyled_conversion_emits_the_source_row_order(family, tiny_dir, tmp_
     convert(tiny_dir(family), tmp_path / "n", rope_style=other)
     reference = reference_ops(tiny_dir(family))
     assert_ops_match(family, executor_points(tmp_path / "n", source, ops=True), reference)
-    # the manifest alone does not say the source's style: told nothing, the rows stay in the stored order
-    unrestored = executor_points(tmp_path / "n", ops=True)
+    # told the source has the stored style, the rows stay as stored: permuted, so q no longer matches
+    unrestored = executor_points(tmp_path / "n", other, ops=True)
     assert rel_l2(unrestored["layers.0.attn.q"], reference["layers.0.attn.q"]) > 1e-2
 
 
