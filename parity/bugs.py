@@ -20,6 +20,9 @@ from .errors import ParityError
 Tensors = dict[str, torch.Tensor]
 
 BLOCK_POST = ("attn_post_norm", "mlp_post_norm")
+# where a mistake in every norm first shows: the attention's input norm, or, in a family without one (OLMo 2's
+# norms follow the sublayers), the query's full-width norm
+NORM_FIRST = ("attn.q_norm",)
 
 
 @dataclass(frozen=True)
@@ -273,21 +276,21 @@ CATALOG: list[Bug] = [
     Bug("norm-offset-dropped", "`w` used where the family computes `1 + w`",
         "the norm computed with `weight` instead of `1 + weight`", "garbage at once",
         "ggml-org/llama.cpp PR #5631; linkedin/Liger-Kernel #74",
-        lambda m: any(s["folded_offset"] for _, s, _, _ in _norms(m)), _offset_dropped, op="attn_in"),
+        lambda m: any(s["folded_offset"] for _, s, _, _ in _norms(m)), _offset_dropped, op="attn_in", also=NORM_FIRST),
     Bug("norm-offset-added", "`1 + w` used where the family computes `w` (or +1 applied twice)",
         "the norm computed with `1 + weight` instead of `weight`", "garbage at once",
         "utensils/mold #1078",
-        _rms, _offset_added, op="attn_in"),
+        _rms, _offset_added, op="attn_in", also=NORM_FIRST),
     Bug("norm-eps-wrong", "eps differs from the config (e.g. 1e-6 for 1e-5)",
         "the norms computed with a different eps", "subtle",
         "ggml-org/llama.cpp #2373, PR #2374; apache/tvm #15856; mlc-ai/mlc-llm #923; intel/ipex-llm #9529",
-        lambda m: any(True for _ in _norms(m)), _eps_wrong, op="attn_in"),
+        lambda m: any(True for _ in _norms(m)), _eps_wrong, op="attn_in", also=NORM_FIRST),
     Bug("norm-in-low-precision", "norm computed in bf16/fp16 instead of float32",
         "the norms computed in the model's low precision", "low precision only",
         "huggingface/transformers PR #29402; meta-llama/llama #1048; pytorch/pytorch #133085",
         # accumulating mean(x^2) in bf16 loses the small terms once the sum is 256x larger: it takes a
         # realistic width to show (at hidden 64 it stays within bf16's own noise)
-        lambda m: any(True for _ in _norms(m)), _low_precision, dtype="bfloat16", width=1024, op="attn_in"),
+        lambda m: any(True for _ in _norms(m)), _low_precision, dtype="bfloat16", width=1024, op="attn_in", also=NORM_FIRST),
     Bug("post-norm-as-pre-norm", "Post-Norm block ported as Pre-Norm",
         "a Pre-Norm block where the family uses Post-Norm", "garbage at once",
         "TransformerLensOrg/TransformerLens #509",

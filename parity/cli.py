@@ -446,16 +446,17 @@ def bugs_cmd(as_json):
     from . import bugs
 
     families = bugs.families()
-    rows = [{"id": b.id, "mistake": b.mistake, "families": families[b.id], "shows": b.shows, "seen_in": b.seen_in}
-            for b in bugs.CATALOG]
+    rows = [{"id": b.id, "mistake": b.mistake, "families": families[b.id], "shows": b.shows, "seen_in": b.seen_in,
+             "first_op": b.op, "also_at": list(b.also)} for b in bugs.CATALOG]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     table = Table(box=None, show_lines=False)
-    for col in ("id", "mistake", "families", "shows"):
+    for col in ("id", "mistake", "families", "shows", "first op"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        table.add_row(r["id"], r["mistake"], ", ".join(r["families"]), r["shows"])
+        table.add_row(r["id"], r["mistake"], ", ".join(r["families"]), r["shows"],
+                      " or ".join([r["first_op"], *r["also_at"]]) if r["first_op"] else "-")
     console_for_output().print(table)
 
 

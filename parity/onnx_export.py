@@ -9,7 +9,10 @@ length at run time. Batch and sequence are dynamic.
 Inputs: ``input_ids`` [batch, sequence] int64, and ``token_type_ids`` where the model has token
 types. Outputs: ``logits`` (or ``last_hidden_state`` for a model without an LM head); with
 ``debug_outputs`` every other capture point too, named as in docs/design.md, "Capture points" (``embed``,
-``layers.0.attn_in``, ...). With ``kv_cache`` (causal language models), the executor's KV cache
+``layers.0.attn_in``, ...); with ``op_outputs`` every operation-level point the executor emits (docs/ops.md:
+``layers.0.attn.q``, ..., ``layers.0.mlp.act``, in its layouts), so that a check compares them (``--points ops``,
+a drill-down). Scores and probabilities are [batch, sequence, heads * keys] per layer: an onnxruntime run computes
+only the outputs it is asked for, and parity asks for the ops only when it compares them. With ``kv_cache`` (causal language models), the executor's KV cache
 (parity/executor/cache.py) is in the graph: inputs ``past_key_values.{i}.key`` / ``.value``
 [batch, kv_heads, past_sequence, head_dim] for each layer that computes its own keys (empty for a prompt),
 outputs ``present.{i}.key`` / ``.value`` with this call's keys appended; positions start after the past. The
@@ -60,6 +63,7 @@ class _Exportable(torch.nn.Module):
         from .executor.model import NeutralModel
 
         self.manifest, self.dtype, self.points = manifest, dtype, points
+        self.ops = False  # the executor emits its operation-level points (some of ``points`` are ops)
         # the layers whose keys and values the graph takes in and hands back (KV-sharing layers reuse another's)
         self.cached = [i for i, layer in enumerate(manifest["layers"])
                        if layer["attention"]["kv_shared_from"] is None] if kv_cache else None
@@ -86,7 +90,8 @@ class _Exportable(torch.nn.Module):
             cache = KVCache(self.manifest["num_layers"], evict=False)
             cache.slots = {i: (extra[2 * k], extra[2 * k + 1]) for k, i in enumerate(self.cached)}
             cache.length = extra[0].shape[2]
-        out = model(input_ids, on_point=seen.__setitem__, token_types=None if cache else extra, cache=cache)
+        out = model(input_ids, on_point=seen.__setitem__, token_types=None if cache else extra, cache=cache,
+                    ops=self.ops)
         presents = [t for i in self.cached for t in cache.slots[i]] if cache is not None else []
         return (out, *(seen[p] for p in self.points), *presents)
 
@@ -116,8 +121,10 @@ def onnx_metadata(manifest: dict, points: list[str], output: str) -> dict[str, s
 
 
 def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bool = False, opset: int | None = None,
-           force: bool = False, adapter_dirs=(), inject: str | None = None, kv_cache: bool = False) -> dict:
+           force: bool = False, adapter_dirs=(), inject: str | None = None, kv_cache: bool = False,
+           op_outputs: bool = False) -> dict:
     """Export a checkpoint directory as ONNX at ``out``; returns a summary (manifest, outputs, files).
+    ``op_outputs``: the executor's operation-level points as outputs too (see the module docstring).
 
     ``inject`` writes a deliberately broken export (a catalogued porting mistake, see parity bugs), so
     that an engine team can rehearse its gate; a decode bug, with ``kv_cache``, is the cache policy the graph
@@ -166,6 +173,7 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
                 fake = {name: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
                         for name, info in manifest["tensors"].items()}
                 module = _Exportable(manifest, fake, torch_dtype, points, kv_cache).eval()
+        points = _with_ops(module) if op_outputs else points  # on the fake weights: shapes only
         weights = {name: x.dtype for name, x in module.named_buffers()}
         program = _torch_export(module, manifest, points, output, opset)
         presents = _cache_names(module, "present")
@@ -188,6 +196,23 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
         files = sorted(p.name for p in tmp.iterdir())
     return {"manifest": manifest, "outputs": [output, *points, *presents], "files": files, "external_data": external,
             "dtype": dtype}
+
+
+def _with_ops(module: _Exportable) -> list[str]:
+    """Make ``module`` output the executor's operation-level points after its points: those it emits for this
+    manifest, found by running it once on two tokens (on fake weights, where it was built on them: shapes only).
+    Returns its points, ops included."""
+    from .executor.model import NeutralModel
+    from .names import is_op
+
+    found: list[str] = []
+    model = NeutralModel(module.manifest, dict(module.named_buffers()), module.dtype)
+    with torch.no_grad():
+        model(torch.full((1, 2), 3, dtype=torch.long), on_point=lambda name, t: found.append(name) if is_op(name)
+              else None, ops=True)
+    module.ops = True
+    module.points = [*module.points, *dict.fromkeys(found)]
+    return module.points
 
 
 def _cache_names(module: _Exportable, prefix: str) -> list[str]:

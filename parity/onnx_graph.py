@@ -138,13 +138,12 @@ def _scope(node) -> str | None:
 # Matching capture points to values
 
 
-def by_module(g: Graph, module: str, io: str, width: int) -> tuple[str | None, str]:
-    """The value leaving (io "output") or entering (io "input") a module's nodes, of the given width;
-    (None, why) when there is none, or more than one."""
+def crossing(g: Graph, module: str, io: str) -> list[str] | None:
+    """The values leaving (io "output") or entering (io "input") a module's nodes, in graph order; None when the
+    graph has no node of that module."""
     inside = [k for k in range(len(g.nodes)) if g.in_scope(k, module)]
-    verb = "leaves" if io == "output" else "enters"
     if not inside:
-        return None, f"no node of module {module}"
+        return None
     members = set(inside)
     found: list[str] = []
     for k in inside:
@@ -157,7 +156,17 @@ def by_module(g: Graph, module: str, io: str, width: int) -> tuple[str | None, s
             for v in node.input:
                 if v and v not in g.constants and g.producer.get(v) not in members:
                     found.append(v)
-    found = list(dict.fromkeys(v for v in found if g.fits(v, width)))
+    return list(dict.fromkeys(found))
+
+
+def by_module(g: Graph, module: str, io: str, width: int) -> tuple[str | None, str]:
+    """The value leaving (io "output") or entering (io "input") a module's nodes, of the given width;
+    (None, why) when there is none, or more than one."""
+    found = crossing(g, module, io)
+    verb = "leaves" if io == "output" else "enters"
+    if found is None:
+        return None, f"no node of module {module}"
+    found = [v for v in found if g.fits(v, width)]
     exact = [v for v in found if g.width(v) == width]
     unknown = [v for v in found if g.width(v) is None]
     # one value, or none: a module that two stream-wide values enter or leave (a fused residual add
@@ -393,6 +402,7 @@ def vocabulary(ckpt) -> int:
 class Matching:
     points: dict[str, dict] = field(default_factory=dict)     # point -> {"value", "how"}
     unmatched: dict[str, str] = field(default_factory=dict)   # point -> why
+    layouts: dict[str, str] = field(default_factory=dict)     # op -> how its value is laid out (parity.graph_ops)
     own_export: bool = False
     warnings: list[str] = field(default_factory=list)
 
@@ -402,10 +412,12 @@ def match(g: Graph, ckpt, wanted: list[str], maps: dict[str, str], metadata: dic
     result = Matching(own_export=metadata.get("parity.format") == "parity-onnx")
     hidden, vocab = hidden_width(ckpt), vocabulary(ckpt)
     capture = {c.name: c for c in ckpt.resolved.capture}
+    op_names = {c.name for c in ckpt.resolved.ops}
+    wanted = [p for p in wanted if p not in op_names]  # ops: parity.graph_ops.match_ops
     final = wanted[-1] if wanted else None
     for point, value in maps.items():
-        if point not in capture:
-            raise ParityError(f"--map {point}={value}: {point} is not a capture point of this "
+        if point not in capture and point not in op_names:
+            raise ParityError(f"--map {point}={value}: {point} is not a capture point (or an op) of this "
                               f"{ckpt.resolved.family} model; points: {', '.join(capture)}")
         if value not in g.values:
             raise ParityError(f"--map {point}={value}: the ONNX graph has no value named {value!r}")
@@ -445,7 +457,7 @@ def match(g: Graph, ckpt, wanted: list[str], maps: dict[str, str], metadata: dic
         reasons.append(f"structure: {why_structure}" if why_structure else
                        "structure: not a norm's input or output, nor a residual add's operand")
         result.unmatched[point] = "; ".join(reasons)
-    unused = [p for p in maps if p not in wanted]
+    unused = [p for p in maps if p not in wanted and p not in op_names]
     if unused:
         result.warnings.append(f"--map {', '.join(unused)}: not compared without --layerwise")
     return result

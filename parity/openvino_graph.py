@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .errors import ParityError
+from .names import is_op
 from .onnx_graph import Graph, Matching, match
 
 # OpenVINO op type -> the ONNX op type parity.onnx_graph looks for
@@ -123,9 +124,15 @@ def _size(op) -> int:
 
 def match_points(model, ckpt, wanted: list[str]) -> tuple[OVGraph, Matching]:
     """Which value of the OpenVINO model each wanted capture point is read from (parity.onnx_graph.match: the
-    final output, the module paths of the adapter's capture map, then structure)."""
+    final output, the module paths of the adapter's capture map, then structure), and each wanted op
+    (parity.graph_ops.match_ops: module paths; q_rope and k_rope from the inputs of the ScaledDotProductAttention
+    op that transformers' sdpa attention converts to, which holds the scores and probabilities inside)."""
+    from .graph_ops import match_ops
+
     g = OVGraph(model)
-    return g, match(g, ckpt, wanted, {}, {})
+    matching = match(g, ckpt, wanted, {}, {})
+    match_ops(g, ckpt, [p for p in wanted if is_op(p)], {}, matching)
+    return g, matching
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from .adapter import load_all
 from .errors import ParityError
 from .neutral import convert
 from .checker.run import check
+from .diagnose import consistent
 from .tiny import make_tiny
 
 DECODE_STEPS = 32
@@ -39,22 +40,17 @@ class Row:
     check: str = "prefill"       # "prefill", or "decode N" (the KV-cache path, N steps)
     prefill_caught: bool | None = None  # a decode row: whether the prefill-only check caught it too
     first_op: str | None = None  # where the drill-down found the first divergence inside its layer (docs/ops.md)
-
-    @property
-    def op_right(self) -> bool | None:
-        """Whether the drill-down found the mistake where the catalog says it first shows (None: no op to match:
-        a clean run, a decode row, a mistake outside the layers)."""
-        if self.bug == "clean" or self.check != "prefill" or bugs.get(self.bug).op is None:
-            return None
-        bug = bugs.get(self.bug)
-        return self.first_op is not None and self.first_op.split(".", 2)[2] in (bug.op, *bug.also)
+    # whether that fits where the catalog says the mistake first shows (parity.diagnose.consistent: its op, or one
+    # the candidate did not give before the first that diverged); None: a clean run, a decode row, a mistake
+    # outside the layers, or one that first showed outside them (BERT's embedding LayerNorm)
+    op_right: bool | None = None
 
     @property
     def diagnosis_right(self) -> bool:
         return self.diagnosed == self.bug
 
     def to_json(self) -> dict:
-        return {**asdict(self), "diagnosis_right": self.diagnosis_right, "op_right": self.op_right}
+        return {**asdict(self), "diagnosis_right": self.diagnosis_right}
 
 
 def run(families: list[str] | None = None, dtype: str | None = None,
@@ -106,8 +102,17 @@ def run(families: list[str] | None = None, dtype: str | None = None,
                     check=f"decode {DECODE_STEPS}" if decoding else "prefill",
                     prefill_caught=not prefill if decoding else None,
                     first_op=(report.drilldown or {}).get("first") if not decoding else None,
+                    op_right=_op_right(bug_id, report.drilldown) if not decoding else None,
                 ))
     return rows
+
+
+def _op_right(bug_id: str | None, drilldown: dict | None) -> bool | None:
+    bug = None if bug_id is None else bugs.get(bug_id)
+    if bug is None or bug.op is None or drilldown is None:  # nothing drilled: it first showed outside the layers
+        return None
+    return drilldown.get("first") is not None and any(
+        consistent(op, drilldown) for op in (bug.op, *bug.also))
 
 
 def totals(rows: list[Row]) -> dict:
@@ -159,7 +164,7 @@ def markdown(rows: list[Row]) -> str:
     for r in rows:
         diag = "-" if r.diagnosed is None else (r.diagnosed + ("" if r.diagnosis_right or r.bug == "clean" else " ✗"))
         prefill = "-" if r.prefill_caught is None else "caught" if r.prefill_caught else "passed"
-        op = "-" if r.first_op is None else r.first_op + (" ✗" if r.op_right is False else "")
+        op = (r.first_op or "-") + (" ✗" if r.op_right is False else "")
         lines.append(f"| {r.family} | {r.bug} | {r.dtype} | {r.check} | {mark[r.detected]} | "
                      f"{r.first_divergence or '-'} | {op} | {diag} | {prefill} | {mark[r.allclose_caught]} | "
                      f"{mark[r.top1_caught]} |")

@@ -129,8 +129,8 @@ def test_window_mistake_evidence_points_past_the_window(tiny_dir, tmp_path):
 
 
 def test_selftest_matrix_totals():
-    """Every applicable (family, bug) pair: all detected, diagnosis right for >= 90% (the rest `unknown`),
-    no false alarm on a clean conversion. About a minute on two cores."""
+    """Every applicable (family, bug) pair: all detected, diagnosis right for >= 90% (the rest `unknown`), each
+    located at the op it declares, no false alarm on a clean conversion. About a minute on two cores."""
     rows = selftest.run()
     t = selftest.totals(rows)
     assert t["pairs"] >= 100 and sum(r.bug == "clean" and r.check == "prefill" for r in rows) == len(EVERY)
@@ -139,6 +139,9 @@ def test_selftest_matrix_totals():
     assert t["detected"] == t["pairs"]
     assert t["false_alarms"] == 0
     assert t["diagnosis_accuracy"] >= 0.9 and t["diagnosed_wrong"] == 0
+    # the drill-down finds every mistake that shows inside a layer where the catalog says it first shows
+    assert t["ops_declared"] >= 100 and t["op_right"] == t["ops_declared"], [
+        (r.family, r.bug, r.first_op) for r in rows if r.op_right is False]
     assert {r.bug for r in rows} == {b.id for b in bugs.CATALOG} | {"clean"}
     low = [r for r in rows if r.bug == "norm-in-low-precision"]
     assert low and all(r.dtype == "bfloat16" and r.detected for r in low)

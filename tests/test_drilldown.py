@@ -193,3 +193,24 @@ def test_scores_scaled_on_a_gguf_candidate(tmp_path):
     first = report["first_divergence"]
     assert first["op"] == "layers.0.attn.scores" and first["op_before"] == "layers.0.attn.k_rope", first
     assert report["diagnosis"][0]["bug"] == "attn-scale-wrong"
+
+
+def test_located_in_an_engine_dump_that_stores_ops(llama, tmp_path):
+    """A dump that stores operation-level points under their names (docs/dumps.md) is drilled down like any
+    candidate: here parity's executor on the broken checkpoint, dumped as an engine would dump itself."""
+    from parity.dumps import write_dump
+    from parity.executor.model import NeutralModel
+    from parity.inputs import select_inputs
+    from parity.checkpoint import open_checkpoint
+    from parity.neutral import convert
+
+    neutral = tmp_path / "neutral"
+    convert(_edited(llama, tmp_path / "candidate", _scale_kv_head_k), neutral)
+    ids = select_inputs(open_checkpoint(llama))[0].ids
+    points: dict = {}
+    NeutralModel.load(neutral)(ids, on_point=lambda name, t: points.__setitem__(name, t.clone()), ops=True)
+    assert "layers.1.attn.k" in points
+    dump = write_dump(tmp_path / "dump.safetensors", points, ids[0].tolist())
+    result, report = _check(llama, dump, tmp_path / "r.json")
+    _located(result, report, "attn.k", ("kv head", 1))
+    assert report["drilldown"]["fed"] == "own"

@@ -131,8 +131,16 @@ def parse_matrix(markdown: str) -> list[selftest.Row]:
         diagnosed = None if diagnosed == "-" else diagnosed.removesuffix(" ✗")
         rows.append(selftest.Row(family, bug, dtype, yes[detected], None if first == "-" else first, diagnosed,
                                  yes[allclose], yes[top1], check, prefill_only[prefill],
-                                 None if op == "-" else op.removesuffix(" ✗")))
+                                 None if op.removesuffix(" ✗") == "-" else op.removesuffix(" ✗"),
+                                 False if op.endswith(" ✗") else _declared(bug, check, op)))
     return rows
+
+
+def _declared(bug: str, check: str, op: str) -> bool | None:
+    """A row's op_right where the matrix shows no ✗: True where the catalog declares an op for a prefill row."""
+    if bug == "clean" or check != "prefill" or bugs.get(bug).op is None or op == "-":
+        return None
+    return True
 
 
 def test_readme_selftest_summary_is_its_matrix_totals():

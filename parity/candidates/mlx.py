@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -40,6 +41,9 @@ CHOICES = {"bits": ("2", "3", "4", "5", "6", "8"), "group_size": ("32", "64", "1
 # mlx-lm's models hold their base model (a text model's ``model``; a multimodal wrapper's language model's)
 RENAMED = {"mlp": ("block_sparse_moe",)}
 BASES = ("model.", "language_model.model.")
+# the attention function mlx-lm's modeling files import from mlx_lm.models.base and call with queries and keys
+# (after RoPE, the keys not repeated for GQA): wrapped while ops are read (Taps)
+ATTENTION_FUNCTION = "scaled_dot_product_attention"
 SAME_WEIGHTS = "parity-mlx-same-weights.json"   # beside a --same-weights reference: the conversion it read back
 _LOCK = threading.Lock()  # one mlx-lm model at a time: mlx's default stream and the patched classes are shared
 
@@ -207,31 +211,75 @@ def _output(out, field) -> object:
 class Taps:
     """mlx-lm's modules at the capture map's points, each given a subclass of its own class whose ``__call__``
     records what the point reads (the first time in a forward) and then runs mlx-lm's own. ``close()`` gives
-    each module its class back."""
+    each module its class back.
 
-    def __init__(self, model, capture, prefix: str):
+    ``ops`` (the adapter's operation-level points, docs/ops.md) are read the same way where the adapter reads them
+    at a module's input or output; q_rope and k_rope (io "attention": what the attention module hands its attention
+    function) from the queries and keys the attention module passes to ``scaled_dot_product_attention``, the
+    function its modeling file imports from mlx-lm's models.base: that name in that file is wrapped while the taps
+    are on (``ATTENTION_FUNCTION``). Its scores and probabilities stay inside mx.fast.scaled_dot_product_attention
+    and are not read (``absent_ops``, with why)."""
+
+    def __init__(self, model, capture, prefix: str, ops=()):
         self.seen: dict[str, object] = {}
         self.absent: list[str] = []
+        self.absent_ops: dict[str, str] = {}
+        self.ops = {c.name: c for c in ops}
+        self.active: list[list] = []  # the attention points of the attention modules running now (innermost last)
         self._patched: list[tuple[object, type]] = []
+        self._functions: dict[str, tuple[object, object]] = {}  # modeling file -> (its module, the original)
         by_module: dict[int, tuple[object, list]] = {}
-        for point in capture:
+        for point in [*capture, *ops]:
             module = find(model, point.module, prefix)
             if module is None or not callable(module):
-                self.absent.append(point.name)
+                (self.absent_ops.__setitem__(point.name, f"mlx-lm's model has no module {point.module}")
+                 if point.name in self.ops else self.absent.append(point.name))
+                continue
+            if point.io == "attention" and not self._attention_function(module, point):
                 continue
             by_module.setdefault(id(module), (module, []))[1].append(point)
         for module, points in by_module.values():
             self._patch(module, points)
 
+    def _attention_function(self, module, point) -> bool:
+        """Wrap the attention function of ``module``'s modeling file (once per file); False (and why, in absent_ops)
+        where the op cannot be read from it."""
+        if point.field not in ("query", "key"):
+            self.absent_ops[point.name] = ("mlx-lm computes attention in mx.fast.scaled_dot_product_attention: its "
+                                           "scores and probabilities are not values")
+            return False
+        where = sys.modules.get(type(module).__module__)
+        original = getattr(where, ATTENTION_FUNCTION, None)
+        if not callable(original):
+            self.absent_ops[point.name] = (f"mlx-lm's {type(module).__module__} calls no {ATTENTION_FUNCTION} "
+                                           f"function (it computes attention its own way)")
+            return False
+        if where.__name__ not in self._functions:
+            seen, active = self.seen, self.active
+
+            def attention(queries, keys, *args, **kwargs):
+                for p in active[-1] if active else ():
+                    seen.setdefault(p.name, queries if p.field == "query" else keys)
+                return original(queries, keys, *args, **kwargs)
+
+            self._functions[where.__name__] = (where, original)
+            setattr(where, ATTENTION_FUNCTION, attention)
+        return True
+
     def _patch(self, module, points: list) -> None:
-        cls, seen = type(module), self.seen
+        cls, seen, active = type(module), self.seen, self.active
         inputs = [p for p in points if p.io == "input"]
-        outputs = [p for p in points if p.io != "input"]
+        outputs = [p for p in points if p.io not in ("input", "attention")]
+        attention = [p for p in points if p.io == "attention"]
 
         def __call__(self, *args, **kwargs):
             for p in inputs:
                 seen.setdefault(p.name, _input(args, kwargs, p.arg))
-            out = cls.__call__(self, *args, **kwargs)
+            active.append(attention)
+            try:
+                out = cls.__call__(self, *args, **kwargs)
+            finally:
+                active.pop()
             for p in outputs:
                 seen.setdefault(p.name, _output(out, p.field))
             return out
@@ -239,17 +287,29 @@ class Taps:
         module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
         self._patched.append((module, cls))
 
-    def take(self) -> dict[str, torch.Tensor]:
-        """What the last forward recorded, as float32 torch tensors [1, S, width] (evaluated together)."""
+    def take(self, s: int | None = None) -> dict[str, torch.Tensor]:
+        """What the last forward recorded, as float32 torch tensors [1, S, width] (evaluated together); an op laid
+        out as docs/ops.md says (``s``: the forward's positions; an op whose shape is not one of its layouts is
+        left out, and why is in ``absent_ops``)."""
         import mlx.core as mx
         import numpy as np
+
+        from ..graph_ops import as_op
 
         arrays = {k: v for k, v in self.seen.items() if isinstance(v, mx.array)}
         mx.eval(*arrays.values())
         out = {}
         for name, x in arrays.items():
             t = torch.from_numpy(np.array(x.astype(mx.float32)))
-            out[name] = t.reshape(1, -1, t.shape[-1])
+            c = self.ops.get(name)
+            if c is None:
+                out[name] = t.reshape(1, -1, t.shape[-1])
+                continue
+            got = as_op(t, s, "heads" if c.io == "attention" else "module", c) if s is not None else None
+            if got is None:
+                self.absent_ops[name] = f"mlx-lm's value has shape {list(t.shape)}, not a layout of the op"
+            else:
+                out[name] = got
         self.seen.clear()
         return out
 
@@ -257,10 +317,14 @@ class Taps:
         for module, cls in self._patched:
             module.__class__ = cls
         self._patched.clear()
+        for where, original in self._functions.values():
+            setattr(where, ATTENTION_FUNCTION, original)
+        self._functions.clear()
 
 
-def _opened(candidate):
-    """mlx-lm's model for the candidate, with its capture points tapped."""
+def _opened(candidate, ops: bool = False):
+    """mlx-lm's model for the candidate, with its capture points tapped (and, with ``ops``, its operation-level
+    points when the check asks for them)."""
     conversion = settings(candidate)
     directory = model_dir(candidate.path, conversion)
     _refuse_other_weights(candidate, directory)
@@ -270,11 +334,24 @@ def _opened(candidate):
                              f"alone, add --same-weights")
     model, _ = load(directory)
     resolved = candidate.ckpt.resolved
-    taps = Taps(model, resolved.capture, resolved.variant.module_prefix)
+    wanted = resolved.ops if ops and candidate.options.ops else ()
+    taps = Taps(model, resolved.capture, resolved.variant.module_prefix, wanted)
     if taps.absent:
         candidate.notes.warn(f"mlx-lm's {type(model).__module__.rsplit('.', 1)[-1]} model has no module for "
                              f"{_summary(taps.absent)}: not compared")
     return model, taps
+
+
+def _lacking(absent: dict[str, str]) -> str:
+    """One warning naming the ops (without their layer) mlx-lm did not give, each kind with its reason."""
+    kinds: dict[str, str] = {}
+    for name in sorted(absent, key=_order):
+        kinds.setdefault(name.split(".", 2)[2], absent[name])
+    reasons: dict[str, list[str]] = {}
+    for kind, why in kinds.items():
+        reasons.setdefault(why, []).append(kind)
+    return "mlx-lm gives no " + "; no ".join(f"{', '.join(k)} ({why})" for why, k in reasons.items()) \
+        + ": operation-level points not compared"
 
 
 def _summary(points: list[str]) -> str:
@@ -301,12 +378,14 @@ def make_runner(candidate, ids: torch.Tensor, feed):
         import mlx.core as mx
 
         with _LOCK:
-            model, taps = _opened(candidate)
+            model, taps = _opened(candidate, ops=True)
             try:
                 model(mx.array(ids.tolist()))
-                captured = taps.take()
+                captured = taps.take(ids.shape[1])
             finally:
                 taps.close()
+        if taps.absent_ops:
+            candidate.notes.warn(_lacking(taps.absent_ops))
         for name in sorted(captured, key=_order):
             emit(name, captured[name])
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .. import names
+from ..graph_ops import match_ops, missing_note, read_ops, wanted_ops
 from ..onnx_graph import Graph, Matching, hidden_width, match, vocabulary
 from ..checkpoint import inside as in_directory
 from ..errors import ParityError
@@ -164,9 +165,12 @@ class Session:
                               f"feed the cache back")
         return {name: returned[key(name)] for name in past}
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], only: list[str] | None = None) -> dict[str, np.ndarray]:
+        """The graph's outputs for ``feeds``: every one, or ``only`` these (an export's op outputs are large:
+        scores and probabilities of every layer; they are computed when asked for)."""
+        asked = self.outputs if only is None else [o for o in self.outputs if o in set(only)]
         try:
-            return dict(zip(self.outputs, self.session.run(None, feeds)))
+            return dict(zip(asked, self.session.run(asked, feeds)))
         except Exception as exc:  # noqa: BLE001
             raise ParityError(f"onnxruntime failed to run the model ({str(exc).splitlines()[0][:300]})") from None
 
@@ -197,6 +201,7 @@ def _load(candidate, path: Path, wanted: list[str]) -> tuple[Session, Matching]:
             raise ParityError(f"{path}: not a well-formed ONNX graph ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); export it again") from None
         matching = match(g, ckpt, wanted, dict(options.map), metadata)
+        match_ops(g, ckpt, [p for p in wanted if names.is_op(p)], dict(options.map), matching)
         _warn_about(matching, metadata, ckpt, str(candidate.dtype).removeprefix("torch."), g)
         session = Session(path, [m["value"] for m in matching.points.values()], options.provider, g, ckpt)
         models.loaded[key] = (session, matching)
@@ -351,6 +356,23 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dic
     return read_back(ckpt, file, Path(out))
 
 
+def _warnings(matching: Matching, wanted: list[str], matched: dict, unmatched: dict, layerwise: bool) -> list[str]:
+    """What the report says of the matching: the points (and ops) not found, and how to name them."""
+    warnings = list(matching.warnings)
+    lacking = missing_note(unmatched, "ONNX graph")
+    if lacking:
+        warnings.append(lacking + ("; export it again with its ops as outputs (parity convert --to onnx "
+                                   "--op-outputs)" if matching.own_export else ""))
+    points = sorted((p for p in unmatched if not names.is_op(p)), key=names.point_order)
+    if layerwise and len(wanted) > 1 and not set(matched) - {wanted[-1]}:
+        warnings.append(f"no capture point of the ONNX graph could be matched beyond the final output: only "
+                        f"{wanted[-1]} is compared; name values with --map POINT=VALUE")
+    elif layerwise and points:
+        warnings.append(f"{len(wanted) - len(points)} of {len(wanted)} capture points were found in the ONNX graph; "
+                        f"not compared: {_shorten(points)}")
+    return warnings
+
+
 def make_runner(candidate, ids: torch.Tensor, feed):
     """Run the ONNX graph once and emit every capture point that could be matched."""
     from ..names import compared_points
@@ -361,30 +383,29 @@ def make_runner(candidate, ids: torch.Tensor, feed):
     path, ckpt, notes = onnx_file(Path(candidate.path)) or Path(candidate.path), candidate.ckpt, candidate.notes
     layerwise = candidate.options.layerwise
     wanted = compared_points(ckpt, layerwise)
-    session, matching = _load(candidate, path, wanted)
+    ops = wanted_ops(ckpt, candidate.options)
+    session, matching = _load(candidate, path, wanted + ops)
     hidden, vocab = hidden_width(ckpt), vocabulary(ckpt)
 
     def run(emit) -> None:
-        values = session.run(session.feeds(ids, path))
+        values = session.run(session.feeds(ids, path), [m["value"] for m in matching.points.values()])
         b, s = ids.shape
-        unmatched = dict(matching.unmatched)
+        unmatched = {p: why for p, why in matching.unmatched.items() if not names.is_op(p)}
         for point in sorted(matching.points, key=names.point_order):
+            if point in matching.layouts:
+                continue
             value = matching.points[point]["value"]
             got = as_point(values[value], b, s, vocab if point == "logits" else hidden)
             if got is None:
                 unmatched[point] = f"{value} has shape {list(values[value].shape)}, not [{b}, {s}, width]"
                 continue
             emit(point, got)
+        if ops and b == 1:
+            unmatched.update({p: why for p, why in matching.unmatched.items() if names.is_op(p)})
+            read_ops(matching, values.get, ckpt, s, emit, unmatched)
         matched = {p: m for p, m in matching.points.items() if p not in unmatched}
         notes.matching = {"points": matched, "unmatched": unmatched}
-        warnings = list(matching.warnings)
-        if layerwise and len(wanted) > 1 and not set(matched) - {wanted[-1]}:
-            warnings.append(f"no capture point of the ONNX graph could be matched beyond the final output: only "
-                            f"{wanted[-1]} is compared; name values with --map POINT=VALUE")
-        elif layerwise and unmatched:
-            warnings.append(f"{len(matched)} of {len(wanted)} capture points were found in the ONNX graph; not "
-                            f"compared: {_shorten(sorted(unmatched, key=names.point_order))}")
-        for w in warnings:
+        for w in _warnings(matching, wanted, matched, unmatched, layerwise):
             notes.warn(w)
 
     return run
@@ -400,12 +421,14 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     links = session.cache_outputs(path)
     hidden, vocab = hidden_width(ckpt), vocabulary(ckpt)
 
+    needed = [m["value"] for m in matching.points.values()] + list(links.values())
+
     def run(emit) -> None:
-        values = session.run(session.feeds(ids, path))
+        values = session.run(session.feeds(ids, path), needed)
         start = ids.shape[1]
         for step, token in enumerate(tokens, 1):
             past = {name: values[out] for name, out in links.items()}
-            values = session.run(session.feeds(torch.tensor([[token]]), path, start, past))
+            values = session.run(session.feeds(torch.tensor([[token]]), path, start, past), needed)
             start += 1
             for point in sorted(matching.points, key=names.point_order):
                 value = matching.points[point]["value"]

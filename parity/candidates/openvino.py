@@ -143,8 +143,9 @@ class Engine:
         g, self.matching = match_points(model, ckpt, wanted)
         self.first = len(model.outputs)
         values = list(dict.fromkeys(m["value"] for m in self.matching.points.values()))
-        model.add_outputs([g.port(v) for v in values])
-        self.index = {v: self.first + k for k, v in enumerate(values)}
+        added = [v for v in values if v not in g.outputs]  # an output already (logits) is not added again
+        model.add_outputs([g.port(v) for v in added])
+        self.index = {v: self.first + k for k, v in enumerate(added)}
         self.index.update({v: g.outputs.index(v) for v in values if v in g.outputs})
         config = {"INFERENCE_PRECISION_HINT": chosen["precision"], "KV_CACHE_PRECISION": chosen["kv_cache"],
                   "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0", "INFERENCE_NUM_THREADS": str(max(1, torch.get_num_threads()))}
@@ -204,11 +205,17 @@ class Engine:
             raise ParityError(f"OpenVINO failed to run {self.xml.name} ({_first_line(exc)})") from None
         return [self.request.get_output_tensor(k).data.copy() for k in range(len(self.compiled.outputs))]
 
+    def value(self, values: list[np.ndarray], value: str) -> np.ndarray:
+        """A matched value of one run's outputs (``run``'s)."""
+        return values[self.index[value]]
+
     def points(self, values: list[np.ndarray], b: int, s: int, hidden: int, vocab: int):
         """(point, tensor [b, s, width]) for each matched point, or (point, None, why)."""
         from .onnx import as_point
 
         for point in sorted(self.matching.points, key=names.point_order):
+            if point in self.matching.layouts:  # an op: read_ops lays it out
+                continue
             value = self.matching.points[point]["value"]
             x = values[self.index[value]]
             if x.dtype != np.float32:
@@ -257,15 +264,21 @@ def _engine(candidate, wanted: list[str]) -> Engine:
 
 
 def _report_matching(candidate, engine: Engine, wanted: list[str], unmatched: dict) -> None:
+    from ..graph_ops import missing_note
+
     notes, layerwise = candidate.notes, candidate.options.layerwise
     matched = {p: m for p, m in engine.matching.points.items() if p not in unmatched}
     notes.matching = {"points": matched, "unmatched": unmatched}
     for w in engine.matching.warnings:
         notes.warn(w)
-    if layerwise and unmatched:
-        missing = sorted(unmatched, key=names.point_order)
-        notes.warn(f"{len(matched)} of {len(wanted)} capture points were found in the OpenVINO model; not compared: "
-                   f"{', '.join(missing[:6])}{' and more' if len(missing) > 6 else ''}")
+    missing = sorted((p for p in unmatched if not names.is_op(p)), key=names.point_order)
+    if layerwise and missing:
+        found = len([p for p in wanted if not names.is_op(p)]) - len(missing)
+        notes.warn(f"{found} of {found + len(missing)} capture points were found in the OpenVINO model; not "
+                   f"compared: {', '.join(missing[:6])}{' and more' if len(missing) > 6 else ''}")
+    lacking = missing_note(unmatched, "OpenVINO model")
+    if lacking:
+        notes.warn(lacking)
 
 
 def make_runner(candidate, ids: torch.Tensor, feed):
@@ -274,8 +287,10 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 
     if feed is not None:
         raise ParityError("--isolate: an OpenVINO model runs whole and cannot be fed the reference's layer inputs")
+    from ..graph_ops import read_ops, wanted_ops
+
     ckpt = candidate.ckpt
-    wanted = compared_points(ckpt, candidate.options.layerwise)
+    wanted = compared_points(ckpt, candidate.options.layerwise) + wanted_ops(ckpt, candidate.options)
     engine = _engine(candidate, wanted)
     hidden, vocab = hidden_width(ckpt), vocabulary(ckpt)
 
@@ -289,6 +304,8 @@ def make_runner(candidate, ids: torch.Tensor, feed):
                 unmatched[point] = why
             else:
                 emit(point, got)
+        if b == 1:  # ops: one sequence (docs/ops.md's [1, S, width])
+            read_ops(engine.matching, lambda v: engine.value(values, v), ckpt, s, emit, unmatched)
         _report_matching(candidate, engine, wanted, unmatched)
 
     return run
