@@ -16,7 +16,7 @@ and prints:
 
   drill-down / one forward of each side     what re-running the failing layer at op granularity costs, against
                                             one plain forward of the reference plus one of the candidate
-  drill-down / (1 + broken) layers          ... against the layers it must run: transformers runs the layers
+  drill-down / the layers it must run       ... against the layers it must run: transformers runs the layers
                                             before the failing one to reach it (it cannot start mid-model), the
                                             executor only the failing one, fed the reference's input
   --points ops / --layerwise (time, RSS)    what capturing every op of every layer costs on a whole model
@@ -95,18 +95,21 @@ def main() -> None:
     try:
         forward_hf = run(FORWARD, "plain transformers forward", str(ref), str(args.length))
         forward_ex = run(FORWARD, "plain executor forward", str(good_n), str(args.length))
-        one_each = forward_hf.seconds + forward_ex.seconds
-        layer_each = one_each / args.layers
+        hf_layer, ex_layer = forward_hf.seconds / args.layers, forward_ex.seconds / args.layers
         print(f"checkpoint {size / 2**30:.2f} GiB float32, {args.layers} layers, hidden {args.hidden}; prompt "
               f"{args.length} tokens; layer {broken} broken (one KV head's k rows x 1.1)")
-        for candidate, label in ((bad, "transformers"), (bad_n, "neutral")):
+        print(f"  one forward: transformers {forward_hf.seconds:.2f} s, executor {forward_ex.seconds:.2f} s")
+        # the layers the drill-down must run: the reference (transformers) up to the broken one; the candidate
+        # the same (transformers has no entry mid-model), or the broken one alone (the executor, fed)
+        for candidate, label, must in ((bad, "transformers", (broken + 1) * 2 * hf_layer),
+                                       (bad_n, "neutral", (broken + 1) * hf_layer + ex_layer)):
             done = run(CHILD, f"check --layerwise, {label} candidate", str(ref), str(candidate), str(args.length))
             out = done.json
             print(f"  {label}: verdict {out['verdict']}, first op {out['op']}; check {out['total']:.1f} s, "
                   f"drill-down {out['drill']:.1f} s")
-            print(f"  drill-down / one forward of each side ({label})   {out['drill'] / one_each:.2f}")
-            print(f"  drill-down / ({broken + 1} + 1) layers ({label})           "
-                  f"{out['drill'] / (layer_each * (broken + 2)):.2f}")
+            each = forward_hf.seconds + (forward_hf.seconds if label == "transformers" else forward_ex.seconds)
+            print(f"  drill-down / one forward of each side ({label})    {out['drill'] / each:.2f}")
+            print(f"  drill-down / the layers it must run ({label})      {out['drill'] / must:.2f}")
         layerwise = cli("check --layerwise", "check", "--reference", str(ref), "--candidate", str(good_n),
                         "--layerwise", "--length", str(args.length))
         ops = cli("check --points ops", "check", "--reference", str(ref), "--candidate", str(good_n),

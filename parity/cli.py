@@ -164,6 +164,9 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
               help="Lay q/k rows out for engines that rotate half-split or adjacent pairs (default: as stored).")
 @click.option("--debug-outputs", is_flag=True,
               help="onnx: add every capture point (embed, layers.0.attn_in, ...) as a graph output of that name.")
+@click.option("--op-outputs", is_flag=True,
+              help="onnx: add every operation-level point (layers.0.attn.q, ... layers.0.mlp.act; docs/ops.md) as a "
+                   "graph output of that name, so that --points ops and a failing check's drill-down can read them.")
 @click.option("--opset", type=int, default=None, help="onnx: the ONNX opset (18-23; default: torch.onnx's).")
 @click.option("--kv-cache", is_flag=True,
               help="onnx: add the KV cache (past_key_values.* inputs, present.* outputs), so that the graph decodes "
@@ -183,8 +186,8 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
                    "check it with parity check --same-weights.")
 @click.option("--force", is_flag=True, help="Replace the output if it exists.")
 @adapters_option
-def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset, kv_cache, inject, gguf_type, force,
-                adapter_dirs, onnx_quant=None):
+def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, op_outputs, opset, kv_cache, inject,
+                gguf_type, force, adapter_dirs, onnx_quant=None):
     """Rewrite a checkpoint into the neutral layout (manifest.json + model.safetensors), or export it to ONNX.
 
     The manifest states every convention as an explicit value (norm kind, eps, placement,
@@ -210,7 +213,7 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
     if target == "gguf":
         from .gguf_export import export as to_gguf
 
-        if dtype or rope_style or debug_outputs or opset is not None or kv_cache:
+        if dtype or rope_style or debug_outputs or op_outputs or opset is not None or kv_cache:
             raise ParityError("--to gguf takes --gguf-type and --inject; the q/k layout is the one "
                               "llama.cpp's architecture expects")
         done = to_gguf(model_dir, out, qtype=gguf_type, force=force, adapter_dirs=adapter_dirs, inject=inject)
@@ -226,19 +229,20 @@ def convert_cmd(model_dir, target, out, dtype, rope_style, debug_outputs, opset,
             from .onnx_quantize import quantize
 
             done = quantize(model_dir, out, onnx_quant, dtype=dtype, debug_outputs=debug_outputs, opset=opset,
-                            force=force, adapter_dirs=adapter_dirs, inject=inject, kv_cache=kv_cache)
+                            force=force, adapter_dirs=adapter_dirs, inject=inject, kv_cache=kv_cache,
+                            op_outputs=op_outputs)
             ops = ", ".join(f"{n} {op}" for op, n in done["quantized"]["ops"].items())
             click.echo(f"wrote {out}: {onnx_quant} by onnxruntime, {done['manifest']['source']['family']}, "
                        f"{len(done['outputs'])} output(s); {ops}")
             return
         done = export(model_dir, out, dtype=dtype, debug_outputs=debug_outputs, opset=opset, force=force,
-                      adapter_dirs=adapter_dirs, inject=inject, kv_cache=kv_cache)
+                      adapter_dirs=adapter_dirs, inject=inject, kv_cache=kv_cache, op_outputs=op_outputs)
         click.echo(f"wrote {out}: {done['dtype']}, {done['manifest']['source']['family']}, "
                    f"{len(done['outputs'])} output(s){', external data ' + out.name + '.data' if done['external_data'] else ''}")
         return
-    if debug_outputs or opset is not None or inject or kv_cache:
-        raise ParityError("--debug-outputs, --opset, --kv-cache and --inject apply to --to onnx (for a neutral candidate, "
-                          "inject at check time: parity check --inject BUG)")
+    if debug_outputs or op_outputs or opset is not None or inject or kv_cache:
+        raise ParityError("--debug-outputs, --op-outputs, --opset, --kv-cache and --inject apply to --to onnx (for a "
+                          "neutral candidate, inject at check time: parity check --inject BUG)")
     from .neutral import convert
 
     manifest = convert(model_dir, out, dtype=dtype, rope_style=rope_style, force=force, adapter_dirs=adapter_dirs)

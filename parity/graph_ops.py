@@ -224,10 +224,12 @@ def read_ops(matching: Matching, values, ckpt, s: int, emit, unmatched: dict) ->
         value = matching.points[op]["value"]
         x = values(value)
         got = as_op(x, s, matching.layouts[op], entries.get(op)) if x is not None else None
-        if got is None:
-            unmatched[op] = f"{value} has shape {list(np.shape(x))}, which is not a layout of {op.split('.', 2)[2]}"
-        else:
+        if got is not None:
             emit(op, got)
+        elif x is None:
+            unmatched[op] = f"{value} was not computed"
+        else:
+            unmatched[op] = f"{value} has shape {list(np.shape(x))}, which is not a layout of {op.split('.', 2)[2]}"
 
 
 def missing_note(unmatched: dict[str, str], engine: str) -> str | None:

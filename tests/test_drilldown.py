@@ -214,3 +214,18 @@ def test_located_in_an_engine_dump_that_stores_ops(llama, tmp_path):
     result, report = _check(llama, dump, tmp_path / "r.json")
     _located(result, report, "attn.k", ("kv head", 1))
     assert report["drilldown"]["fed"] == "own"
+
+
+def test_located_in_parity_onnx_export_with_op_outputs(llama, tmp_path):
+    """`parity convert --to onnx --op-outputs` makes every op a graph output of its name: onnxruntime's run of
+    the broken copy is drilled down to the op and the head."""
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "candidate.onnx"
+    result = CliRunner().invoke(cli, ["convert", str(_edited(llama, tmp_path / "candidate", _scale_kv_head_k)),
+                                      "--to", "onnx", "--op-outputs", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    result, report = _check(llama, out, tmp_path / "r.json")
+    _located(result, report, "attn.k", ("kv head", 1))
+    refused = CliRunner().invoke(cli, ["convert", str(llama), "--to", "neutral", "--op-outputs",
+                                       "-o", str(tmp_path / "n")])
+    assert refused.exit_code == 2 and "--op-outputs" in refused.output

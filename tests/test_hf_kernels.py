@@ -52,6 +52,7 @@ def test_sdpa_matches_eager(family, tiny_dir, tmp_path):
     assert result.exit_code == 0, result.output
     # a different kernel ran (eager against eager is bit-identical), within float32 summation noise
     assert 0 < _worst(report) < KERNEL_NOISE
+    assert report["candidate"]["attn"] == "sdpa" and report["candidate"]["compile"] is False  # what ran, said
 
 
 @pytest.mark.parametrize("family", ["gemma2", "llama", "qwen3"])

@@ -28,6 +28,7 @@ and optionally::
     def make_decoder(candidate, ids, tokens) -> run(emit)
                                                     # --decode: the prompt, then one step per token with its own
                                                     # cache; emit(step, point, tensor [1, 1, width]) for steps 1..
+    def check_options(options, ckpt, stream)     # refuse, when the plan is made, options this path cannot run
     def same_weights(ckpt, path, out, engine) -> dict
                                                     # write a reference holding its own weights (--same-weights;
                                                     # --calibrate of a quantized candidate): those of the
@@ -108,6 +109,7 @@ class Kind:
     check_span: Callable | None = None
     make_decoder: Callable | None = None
     same_weights: Callable | None = None
+    check_options: Callable | None = None
 
     @property
     def injects(self) -> bool:
@@ -129,7 +131,7 @@ def kinds() -> dict[str, Kind]:
                                    options + (("engine",) if engine else ()), getattr(m, "EXPLICIT", False),
                                    tuple(getattr(m, "ALIASES", ())), engine, getattr(m, "REQUIRES", None),
                                    *(getattr(m, f, None) for f in ("validate", "shapes", "describe", "check_span",
-                                                                   "make_decoder", "same_weights")))
+                                                                   "make_decoder", "same_weights", "check_options")))
     return {k.name: k for k in (_loaded[m] for m in KINDS + ENGINES)}
 
 

@@ -55,11 +55,11 @@ def kernels() -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def kernel(candidate, ckpt) -> tuple[str, bool]:
-    """The candidate's (attention implementation, compiled), refused where it cannot run: an unknown name, a hub
-    kernel (``org/repo``: code downloaded and run, as trust_remote_code would), a convention the kernel cannot
-    express, a compile of a model streamed a layer at a time."""
-    attn, compile = candidate.options.attn or "eager", bool(candidate.options.compile)
+def check_options(options, ckpt, stream: bool) -> None:
+    """Refused when the plan is made, before any model loads: an unknown kernel name, a hub kernel (``org/repo``:
+    code downloaded and run, as trust_remote_code would), a convention the kernel cannot express, a compile of a
+    model streamed a layer at a time."""
+    attn, compile = options.attn or "eager", bool(options.compile)
     if "/" in attn:
         raise ParityError(f"--candidate-attn {attn}: a kernel from the Hugging Face hub runs downloaded code; "
                           f"parity runs only kernels installed here: {', '.join(kernels())}")
@@ -74,8 +74,15 @@ def kernel(candidate, ckpt) -> tuple[str, bool]:
             raise ParityError(f"--candidate-attn {attn}: this {r.family} model sets {setting} = "
                               f"{', '.join(map(str, sorted(values)))} (from {source}), and {why}; use eager or a "
                               f"kernel that applies it (flex_attention, flash_attention_2)")
-    if compile and candidate.models.stream:
+    if compile and stream:
         raise ParityError("--compile: a model streamed a layer at a time cannot be compiled; add --no-stream")
+
+
+def kernel(candidate, ckpt) -> tuple[str, bool]:
+    """The candidate's (attention implementation, compiled), refused where it cannot run (check_options: the plan
+    asks first), with a note where the kernel is given no mask."""
+    check_options(candidate.options, ckpt, candidate.models.stream)
+    attn, compile = candidate.options.attn or "eager", bool(candidate.options.compile)
     from transformers.masking_utils import AttentionMaskInterface
 
     if attn not in AttentionMaskInterface._global_mapping:  # transformers then passes attention_mask=None

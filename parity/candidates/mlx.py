@@ -8,7 +8,10 @@ The capture points are read from mlx-lm's own modules: each module the adapter's
 Hugging Face's module and parameter names, since it loads their weights by name) is given a subclass of its own
 class whose ``__call__`` records the input or output the map asks for and then calls mlx-lm's. Nothing of mlx-lm's
 model code is copied; a point whose module mlx-lm does not have is reported as not compared. Decoding runs through
-mlx-lm's own KV cache (``make_prompt_cache``), one token per step.
+mlx-lm's own KV cache (``make_prompt_cache``), one token per step. With ``options.ops`` (``--points ops``, a
+drill-down) the adapter's operation-level points are read the same way (Taps: module inputs and outputs; q_rope and
+k_rope from the attention function's arguments); the scores and probabilities mlx's fused attention keeps inside are
+named in a warning.
 """
 
 from __future__ import annotations
@@ -231,9 +234,11 @@ class Taps:
         by_module: dict[int, tuple[object, list]] = {}
         for point in [*capture, *ops]:
             module = find(model, point.module, prefix)
+            if (module is None or not callable(module)) and point.name in self.ops:
+                self.absent_ops[point.name] = f"mlx-lm's model has no module {point.module}"
+                continue
             if module is None or not callable(module):
-                (self.absent_ops.__setitem__(point.name, f"mlx-lm's model has no module {point.module}")
-                 if point.name in self.ops else self.absent.append(point.name))
+                self.absent.append(point.name)
                 continue
             if point.io == "attention" and not self._attention_function(module, point):
                 continue

@@ -8,6 +8,11 @@ docstring gives the order of precedence: --map, names, the final output, module 
 Matched values are added to the graph's outputs; each is checked at run time to be [batch, sequence,
 width] before it is compared. The report lists every point with the value it was read from and how
 (``report.matching``); points that could not be matched are not compared, and say why.
+
+With ``options.ops`` (``--points ops``, a drill-down) the reference's operation-level points are read too, where the
+graph has them (parity.graph_ops: outputs named as the ops, as ``parity convert --to onnx`` writes them with op
+outputs; else by module path and around each attention's Softmax); the ops it lacks are named in a warning. A run
+computes only the outputs it reads.
 """
 
 from __future__ import annotations
@@ -168,7 +173,7 @@ class Session:
     def run(self, feeds: dict[str, np.ndarray], only: list[str] | None = None) -> dict[str, np.ndarray]:
         """The graph's outputs for ``feeds``: every one, or ``only`` these (an export's op outputs are large:
         scores and probabilities of every layer; they are computed when asked for)."""
-        asked = self.outputs if only is None else [o for o in self.outputs if o in set(only)]
+        asked = self.outputs if only is None else [o for o in self.outputs if o in set(only)] or self.outputs[:1]
         try:
             return dict(zip(asked, self.session.run(asked, feeds)))
         except Exception as exc:  # noqa: BLE001

@@ -12,6 +12,10 @@ with NNCF (``nncf.compress_weights``) on the way.
 The model runs at ``INFERENCE_PRECISION_HINT=f32`` unless ``--engine-option precision=bf16|f16``: the engine
 checked at its own float32 first. Capture points are read by adding the matched ops' outputs to the model's
 results; which ops they are is parity.openvino_graph's to find (the module paths OpenVINO keeps in op names).
+With ``options.ops`` (``--points ops``, a drill-down) the reference's operation-level points are read the same way
+(parity.graph_ops): by module path, and q_rope / k_rope from the inputs of the ScaledDotProductAttention op that
+transformers' attention converts to; its scores and probabilities stay inside that op and are not compared (a
+warning names them).
 """
 
 from __future__ import annotations

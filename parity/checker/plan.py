@@ -204,6 +204,8 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
     if chosen:
         shapes = kind.shapes(Path(candidate), adapter_dirs) if kind.shapes is not None else ()
         stream = not truth.stored and would_not_fit(ckpt, dtype, calibrate, device, shapes, candidate_device)
+    if kind.check_options is not None:  # e.g. an attention kernel that cannot express the model's softcap
+        kind.check_options(options, ckpt, bool(stream))
     # a same-weights reference computes on the file's own weights: its noise is the engine's arithmetic, or, where
     # the engine computes in float32 (nothing to emulate), float32's own noise, as for an unquantized candidate
     quantized = (calibrate and not truth.stored and not same_weights

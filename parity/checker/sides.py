@@ -145,6 +145,8 @@ class CandidateSide:
         out = {"kind": self.kind.name, "path": str(self.path)}
         if self.kind.describe is not None:
             out.update(self.kind.describe(self.path, dict(self.options.engine)))
+        if self.options.attn is not None or self.options.compile:  # the kernel the candidate ran with
+            out.update({"attn": self.options.attn or "eager", "compile": self.options.compile})
         return out
 
     def _candidate(self, models: Models) -> Candidate:
