@@ -97,8 +97,7 @@ def where_it_sits(plan: Plan, layer: int, name: str, candidate, reference) -> di
 
 
 def _window(r, layer: int) -> int | None:
-    try:
-        window = r.layer("attention.sliding_window", layer)
-    except Exception:  # noqa: BLE001 - a family without windows has no such setting
+    if "attention.sliding_window" not in r.settings:  # a family without windows has no such setting
         return None
+    window = r.layer("attention.sliding_window", layer)
     return int(window) if window else None
