@@ -80,8 +80,12 @@ def summarize(plan: Plan, layer: int, results: list[PointResult], kept: dict, ho
         where = out["concentration"]["summary"]
     suffix = first.name.split(".", 2)[2]
     what = CLOSES.get(suffix)
-    lead = (f"{first.name} diverges first" if what is None
-            else f"every op before {first.name} agrees: {what} diverges")
+    if what is None:
+        lead = f"{first.name} diverges first"
+    elif before is None:  # nothing in the layer came before it
+        lead = f"{first.name} diverges first: {what}"
+    else:
+        lead = f"every op before {first.name} agrees: {what} diverges"
     out["summary"] = "; ".join(s for s in (lead, where) if s)
     return out
 
