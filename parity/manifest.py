@@ -15,7 +15,7 @@ from safetensors import safe_open
 from .checkpoint import plain_file_name
 from .errors import ParityError
 from .jsonfile import StrictSpec, check_schema, read_json
-from .shards import hash_file, read_header
+from .shards import ALGORITHMS, hash_file, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -178,20 +178,21 @@ class _TensorSpec(StrictSpec):
 
 
 class _FileSpec(StrictSpec):
-    blake3: Optional[str] = None  # HASH; manifests written before it have sha256
+    blake3_tensors: Optional[str] = None  # HASH; manifests written before it have blake3 or sha256 (of the file)
+    blake3: Optional[str] = None
     sha256: Optional[str] = None
     bytes: _Count
 
     @model_validator(mode="after")
     def _one_hash(self) -> _FileSpec:
-        if (self.blake3 is None) == (self.sha256 is None):
-            raise ValueError("needs one hash: blake3 (or sha256, in manifests written before parity used BLAKE3)")
+        if sum(h is not None for h in (self.blake3_tensors, self.blake3, self.sha256)) != 1:
+            raise ValueError("needs one hash: blake3_tensors (or blake3 or sha256, in manifests written before)")
         return self
 
 
 class _Source(StrictSpec):
     family: str
-    hash: Literal["blake3", "sha256"] = "sha256"  # of files; absent before parity used BLAKE3
+    hash: Literal["blake3_tensors", "blake3", "sha256"] = "sha256"  # of files; absent before parity used BLAKE3
     rope_style: Optional[Literal["half", "interleaved"]] = None  # the checkpoint's; absent before ops (docs/ops.md)
 
 
@@ -399,8 +400,8 @@ def read_manifest(path: Path) -> dict:
 
 
 def file_hash(info: dict) -> tuple[str, str]:
-    """A manifest ``files`` entry's (algorithm, hex digest): blake3, or sha256 in manifests written before."""
-    return ("blake3", info["blake3"]) if info.get("blake3") is not None else ("sha256", info["sha256"])
+    """A manifest ``files`` entry's (algorithm, hex digest): HASH, or what manifests written before it record."""
+    return next((a, info[a]) for a in ALGORITHMS if info.get(a) is not None)
 
 
 def load(path: Path, *, verify: bool = False, lazy: bool = False) -> tuple[dict, Any]:

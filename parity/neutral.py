@@ -21,8 +21,8 @@ from .checkpoint import Checkpoint, open_checkpoint, stored_tensor_map
 from .errors import ParityError
 from .manifest import BLOCK_NORMS, DTYPE_NAMES, FORMAT, FORMAT_VERSION, MANIFEST
 from .quantization import dequantize, quantized_weights, rounding_error
-from .shards import (HASH, ContentHash, Hashing, Header, Pieces, PlannedTensor, ShardWriter, dtype_code, hash_file,
-                     plan, read_header)
+from .shards import (HASH, ContentHash, Hashing, Header, Parts, Pieces, PlannedTensor, ShardWriter, dtype_code,
+                     file_order, hash_file, plan, read_header)
 
 
 class _Torch:
@@ -160,7 +160,7 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype | str, rope_style: str, 
             "path": str(ckpt.path),
             # the checkpoint's own q/k row order: the executor's ops are emitted in it (docs/ops.md)
             "rope_style": r["positions.rope_style"] if r["positions.kind"] == "rope" else None,
-            "hash": HASH,  # of files (absent from manifests written before BLAKE3: sha256)
+            "hash": HASH,  # of files (earlier manifests: "blake3" of the whole file, or none for sha256)
             "files": {f.name: hash_file(f) for f in ckpt.files} if hashes else {},
         },
         "vocab_size": vocab,
@@ -325,12 +325,13 @@ def _stored_dtype(name: str, layers: list[dict], target: str) -> str:
 class _Reader:
     """A checkpoint's safetensors files, each read once from front to back, READ_CHUNK bytes at a time.
 
-    Every byte read (the header, and tensors the adapter does not map) goes to the file's hash (``HASH``), so the
-    manifest's source hashes cost no second pass; hashing runs on a thread of its own (``hashing``), and writing
-    on another, while the next piece is read. Tensors in ``streamed`` (written exactly as they are stored) and
-    those not wanted pass through a ring of RING small buffers, a piece at a time, each reused once its hashes
-    and its write are done; the others are read whole into one buffer, reused: memory stays at the
-    largest of those (``largest``), not at the largest tensor.
+    Every byte read (the header, and tensors the adapter does not map) goes to the file's hash (``HASH``: a
+    digest per part, the parts on the hashing lanes in turn), so the manifest's source hashes cost no second
+    pass, and a tensor written as it is stored takes its output digest from the same one. Hashing runs on
+    threads of their own (``hashing``), and writing on another, while the next piece is read. Tensors in
+    ``streamed`` (written exactly as they are stored) and those not wanted pass through a ring of RING small
+    buffers, a piece at a time, each reused once its hashes and its write are done; the others are read whole
+    into one buffer, reused: memory stays at the largest of those (``largest``), not at the largest tensor.
     """
 
     def __init__(self, largest: int, hashing: Hashing) -> None:
@@ -346,50 +347,56 @@ class _Reader:
                 ) -> Iterator[tuple[str, torch.Tensor | Pieces]]:
         """The tensors of ``file`` in ``wanted``, in file order: those in ``streamed`` as Pieces (to be written
         before the next is asked for), the others whole, each overwritten by the next (copy to keep)."""
-        src = ContentHash(HASH, self.hashing)
+        parts = Parts()
         try:
             with open(file, "rb", buffering=0) as f:
-                head = self._read(f, file, header.data_start, src)
+                head = self._read(f, file, header.data_start, parts, 0)
                 if int.from_bytes(head[:8], "little") != header.data_start - 8:
                     raise ParityError(f"{file}: changed while it was read; convert again once nothing writes to it")
-                for name in file_order(header):
+                for k, name in enumerate(file_order(header), start=1):
                     entry = header.tensors[name]
                     if name in wanted and name in streamed:
-                        pieces = self._pieces(f, file, entry.end - entry.begin, src)
-                        yield name, Pieces(entry.shape, entry.dtype, pieces)
+                        part = ContentHash("blake3", self.hashing, lane=k % self.hashing.lanes)
+                        pieces = self._pieces(f, file, entry.end - entry.begin, part)
+                        yield name, Pieces(entry.shape, entry.dtype, pieces, part)
                         for _ in pieces:  # whatever the consumer left is still read (and hashed)
                             pass
+                        parts.add(part.finish())
                     elif name in wanted:
-                        raw = self._read(f, file, entry.end - entry.begin, src)
+                        raw = self._read(f, file, entry.end - entry.begin, parts, k)
                         x = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
                         yield name, x.view(getattr(torch, READ_DTYPES[entry.dtype])).reshape(entry.shape)
                     else:  # hashed, not kept
-                        for _ in self._pieces(f, file, entry.end - entry.begin, src):
+                        part = ContentHash("blake3", self.hashing, lane=k % self.hashing.lanes)
+                        for _ in self._pieces(f, file, entry.end - entry.begin, part):
                             pass
+                        parts.add(part.finish())
                 if f.read(1):
                     raise ParityError(f"{file}: grew while it was read; convert again once nothing writes to it")
-            self.digests[file.name] = src.hexdigest()
+            self.digests[file.name] = parts.hexdigest()
         except OSError as exc:
             raise ParityError(f"{file}: cannot be read ({exc.strerror or exc})") from None
-        finally:
-            src.close()
 
-    def _read(self, f: BinaryIO, file: Path, nbytes: int, src: ContentHash) -> memoryview:
-        """The next ``nbytes`` of ``f``, in the buffer; each piece goes to ``src`` as soon as it is in."""
-        src.wait()  # the buffer is about to be overwritten (its output hash, if any, was waited for by the writer)
+    def _read(self, f: BinaryIO, file: Path, nbytes: int, parts: Parts, k: int) -> memoryview:
+        """The next ``nbytes`` of ``f``, in the buffer; each piece goes to the hash of part ``k`` of ``parts`` as
+        soon as it is in."""
+        for fence in self.hashing.fence():  # the buffer is about to be overwritten: its hashes and writes are done
+            fence.result()
         if nbytes > len(self.buffer):
             self.buffer = bytearray(max(nbytes, self.largest))
         view = memoryview(self.buffer)[:nbytes]
+        part = ContentHash("blake3", self.hashing, lane=k % self.hashing.lanes)
         for start in range(0, nbytes, READ_CHUNK):
             piece = view[start:start + READ_CHUNK]
             _fill(f, file, piece)
-            src.update(piece)
+            part.update(piece)
+        parts.add(part.finish())
         return view
 
-    def _pieces(self, f: BinaryIO, file: Path, nbytes: int, src: ContentHash) -> Iterator[memoryview]:
+    def _pieces(self, f: BinaryIO, file: Path, nbytes: int, part: ContentHash) -> Iterator[memoryview]:
         """The next ``nbytes`` of ``f``, READ_CHUNK at a time, each in the next buffer of the ring and fed to
-        ``src``; a piece is valid until the next is asked for, and its buffer is reused only once everything
-        fed to the hashing and writing threads by then (its source and output hashes, its write) is done."""
+        ``part``; a piece is valid until the next is asked for, and its buffer is reused only once everything
+        fed to the hashing and writing threads by then (its hash, its write) is done."""
         for start in range(0, nbytes, READ_CHUNK):
             k, self.next = self.next, (self.next + 1) % RING
             for fence in self.fences[k]:
@@ -400,7 +407,7 @@ class _Reader:
                 self.ring[k] = memoryview(bytearray(READ_CHUNK))
             piece = self.ring[k][:size]
             _fill(f, file, piece)
-            src.update(piece)
+            part.update(piece)
             yield piece
             self.fences[k] = self.hashing.fence()
 
@@ -427,11 +434,6 @@ def _as_stored(t: ResolvedTensor, stored: str, manifest: dict, source_style: str
         return False
     return not name.startswith("layers.") or not _restyles(name, manifest["layers"][int(name.split(".")[1])],
                                                            source_style, style)
-
-
-def file_order(header: Header) -> list[str]:
-    """A safetensors file's tensor names in the order their bytes lie in it."""
-    return sorted(header.tensors, key=lambda name: (header.tensors[name].begin, header.tensors[name].end))
 
 
 def check_convertible(ckpt: Checkpoint) -> None:

@@ -6,8 +6,9 @@ file parity is given before safetensors maps it, so a damaged or hostile file en
 naming it. safetensors' own ``save_file`` wants every tensor in memory at once; a converter that
 must stay near the size of its largest tensor writes the format itself (``ShardWriter``).
 
-Content hashes (``HASH``, BLAKE3; manifests written before it record sha256, ``HASHES`` reads both) run on a
-thread of their own (``Hashing``) while files are read and written (a conversion writes on a third).
+Content hashes (``HASH``: BLAKE3 of a file's parts; manifests written before it record a whole file's BLAKE3 or
+sha256, ``HASHES``) run on threads of their own (``Hashing``) while files are read and written (a conversion
+writes on another).
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit: a longer header is damage, not a model
 METADATA = "__metadata__"
-# The content hash written into manifests. A conversion hashes every byte twice (what it reads, what it
-# writes): BLAKE3 ran at 4.6-6.7 GB/s on one core of the README's VM, where sha256 (with SHA-NI) ran at 1.8.
-# Manifests written before record sha256, which still verifies. A conversion hashes on one thread beside
-# the one that reads and the one that writes; spreading each update over the cores as well (AUTO) cost more
-# CPU for no shorter conversion. Verifying a file, with nothing else to do, uses them all.
-HASH = "blake3"
-HASHES: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
+# The content hash written into manifests (HASH): BLAKE3 over the BLAKE3 digests of a safetensors file's parts,
+# in file order: its header (length and JSON), then each tensor's bytes. A conversion writes most tensors as the
+# bytes it read, so one digest of them serves the source file's hash and the output file's (a hash of the whole
+# file must see every byte twice, once in each file: that was most of a conversion's CPU), and the parts of a
+# file hash on two threads. Manifests written before record a whole file's BLAKE3 ("blake3") or sha256: HASHES
+# still computes both, to verify them. BLAKE3 ran at 3.3 GB/s on one core of the README's VM, sha256 at 0.85.
+HASH = "blake3_tensors"
+HASHES: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}  # of a whole file
+ALGORITHMS = (HASH, *HASHES)
 # Bytes per write(). Writes into the page cache cost more system time per byte in large calls than in small
 # ones: on the README's VM, 1 MiB writes took about 3x the system time of 64 KiB ones (32 KiB: no better).
 WRITE_CHUNK = 64 * 2**10
@@ -70,6 +73,11 @@ class Header:
     tensors: dict[str, HeaderEntry]
     metadata: dict[str, str]
     data_start: int
+
+
+def file_order(header: Header) -> list[str]:
+    """A safetensors file's tensor names in the order their bytes lie in it."""
+    return sorted(header.tensors, key=lambda name: (header.tensors[name].begin, header.tensors[name].end))
 
 
 def dtype_code(dtype: Any) -> str:
@@ -230,23 +238,26 @@ def plan(tensors: list[PlannedTensor], directory: Path, max_shard_bytes: int) ->
 class Pieces:
     """A tensor's bytes as they are read, a piece at a time, for one written exactly as it is stored (it needs no
     buffer of its size). A piece is valid until the next is asked for: its reader reuses the buffer once what
-    was fed to their shared Hashing by then is done (``Hashing.fence``), so the writer must hash and write on it
-    too."""
+    was fed to their shared Hashing by then is done (``Hashing.fence``), so the writer must write on it too.
+    ``digest``: the reader's hash of these bytes, which the writer then need not compute again."""
 
     shape: tuple[int, ...]
     dtype: Any  # as PlannedTensor's
     pieces: Iterable[memoryview]
+    digest: ContentHash | None = None
 
 
 class ShardWriter:
     """Writes one planned shard; ``write`` must be called in plan order. Hashes (``HASH``) as it goes, on
-    ``hashing``'s thread (one of its own if none is given), and writes on its writing thread if it has one."""
+    ``hashing``'s threads (one of its own if none is given), and writes on its writing thread if it has one."""
 
     def __init__(self, shard: Shard, metadata: dict[str, str] | None = None, hashing: Hashing | None = None):
         self.shard = shard
         self.expected = iter(shard.tensors)
-        self.hash = ContentHash(HASH, hashing, lane=1)  # a conversion's output lane
-        self._hashing = hashing
+        self._own = hashing is None
+        self._hashing = Hashing() if hashing is None else hashing
+        self.parts = Parts()
+        self._lane = 0
         self._writes: deque[Future] = deque()  # on the writing thread, not yet seen to finish
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
@@ -256,13 +267,14 @@ class ShardWriter:
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        head = struct.pack("<Q", len(raw)) + raw
+        self.parts.add(blake3.blake3(head).digest())
         self.file = open(shard.path, "wb", buffering=0)
-        self._put(memoryview(struct.pack("<Q", len(raw)) + raw))  # bytes: nothing reuses them
+        self._put(memoryview(head))  # bytes: nothing reuses them
 
     def _put(self, data: memoryview) -> None:
-        """Hash ``data`` (on the hashing thread) and write it (on the writing thread, if there is one)."""
-        self.hash.update(data)
-        if self._hashing is None or not self._hashing.writes:
+        """Write ``data`` (on the writing thread, if there is one)."""
+        if not self._hashing.writes:
             self._write(data)
             return
         while self._writes and self._writes[0].done():
@@ -287,25 +299,37 @@ class ShardWriter:
         except OSError as exc:
             raise ParityError(f"{self.shard.path}: cannot be written ({exc.strerror or exc})") from None
 
+    def _part(self) -> ContentHash:
+        """A hash for the next tensor's bytes, on the lanes in turn."""
+        self._lane += 1
+        return ContentHash("blake3", self._hashing, lane=self._lane % self._hashing.lanes)
+
     def write(self, name: str, tensor: torch.Tensor | Pieces) -> None:
         planned = next(self.expected)
         if (planned.name, planned.shape, dtype_code(planned.dtype)) != (name, tuple(tensor.shape),
                                                                         dtype_code(tensor.dtype)):
             raise RuntimeError(f"shard writer: got {name} {tuple(tensor.shape)} {tensor.dtype}, planned "
                                f"{planned.name} {planned.shape} {planned.dtype}")
-        if isinstance(tensor, Pieces):  # hashed as each piece is written; the reader waits before reusing it
+        if isinstance(tensor, Pieces):  # the reader waits for the writes before it reuses a piece's buffer
+            part = tensor.digest or self._part()
             total = 0
             for piece in tensor.pieces:
+                if tensor.digest is None:
+                    part.update(piece)
                 self._put(piece)
                 total += len(piece)
             if total != planned.nbytes:
                 raise RuntimeError(f"shard writer: {name} came as {total} bytes, planned {planned.nbytes}")
+            self.parts.add(part.finish())
             return
         import torch  # a tensor was given: torch is imported already
 
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        part = self._part()
+        part.update(memoryview(flat.numpy()))
         self._put(memoryview(flat.numpy()))
-        self.hash.wait()  # the caller may reuse the tensor's memory once write returns
+        self.parts.add(part.finish())
+        part.wait()  # the caller may reuse the tensor's memory once write returns
         self._drain()
 
     def close(self) -> str:
@@ -315,7 +339,11 @@ class ShardWriter:
             self._drain()
         finally:
             self.file.close()
-        digest = self.hash.hexdigest()
+        try:
+            digest = self.parts.hexdigest()
+        finally:
+            if self._own:
+                self._hashing.close()
         if leftover is not None:
             raise RuntimeError(f"shard writer: {leftover.name} was planned but never written")
         return digest
@@ -323,10 +351,10 @@ class ShardWriter:
 
 class Hashing:
     """Threads on which hashes run, in the order they are fed, while the caller reads (blake3 and hashlib, and
-    writes, release the GIL): one per lane (a conversion hashes what it reads on lane 0 and what it writes on
-    lane 1, so that the two hashes of one piece take a core each where there are several); with ``writes``, one
-    more on which ShardWriters write, in order. One for all of a conversion's work, so that ``fence`` tells when
-    everything fed so far is done: a buffer fed to it before may then be reused."""
+    writes, release the GIL): one per lane (the parts of a file are hashed on the lanes in turn, so that two
+    take a core each where there are several); with ``writes``, one more on which ShardWriters write, in order.
+    One for all of a conversion's work, so that ``fence`` tells when everything fed so far is done: a buffer
+    fed to it before may then be reused."""
 
     def __init__(self, writes: bool = False, lanes: int = 1) -> None:
         self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"parity-hash{k}") for k in range(lanes)]
@@ -337,6 +365,10 @@ class Hashing:
     @property
     def writes(self) -> bool:
         return self._writer is not None
+
+    @property
+    def lanes(self) -> int:
+        return len(self._pools)
 
     def submit(self, fn: Callable, data, lane: int = 0) -> Future:
         """Run ``fn(data)`` on ``lane``'s thread (the last lane if there are fewer)."""
@@ -370,18 +402,27 @@ class ContentHash:
     """A hash (``algorithm``, one of HASHES) computed on ``hashing``'s thread (one of its own if none is given), in
     the order it is fed. What ``update`` is given must stay unchanged until ``wait`` (or ``hexdigest``) returns."""
 
-    def __init__(self, algorithm: str = HASH, hashing: Hashing | None = None, lane: int = 0) -> None:
+    def __init__(self, algorithm: str = "blake3", hashing: Hashing | None = None, lane: int = 0) -> None:
         self.algorithm = algorithm
         self._lane = lane
         self._hash = HASHES[algorithm]()
         self._own = hashing is None
         self._hashing = Hashing() if hashing is None else hashing
         self._pending: deque[Future] = deque()
+        self._digest: Future | None = None
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()
         self._pending.append(self._hashing.submit(self._hash.update, data, self._lane))
+
+    def finish(self) -> Future:
+        """The digest (bytes) once what was fed is hashed, as a Future: nothing waits for it here. Feed nothing
+        after; asking again gives the same Future."""
+        if self._digest is None:
+            self._digest = self._hashing.submit(lambda _: self._hash.digest(), None, self._lane)
+            self._pending.append(self._digest)
+        return self._digest
 
     def wait(self) -> None:
         while self._pending:
@@ -405,14 +446,42 @@ class ContentHash:
             self._hashing.close()
 
 
+class Parts:
+    """A file's HASH, from the digests of its parts in file order: bytes, or Futures of them (ContentHash.finish)."""
+
+    def __init__(self) -> None:
+        self.digests: list[bytes | Future] = []
+
+    def add(self, digest: bytes | Future) -> None:
+        self.digests.append(digest)
+
+    def hexdigest(self) -> str:
+        joined = b"".join(d if isinstance(d, bytes) else d.result() for d in self.digests)
+        return blake3.blake3(joined).hexdigest()
+
+
 def hash_file(path: Path, algorithm: str = HASH, chunk: int = 1 << 24) -> str:
-    """A file's hash (hex), read ``chunk`` bytes at a time."""
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO) if algorithm == "blake3" else HASHES[algorithm]()
+    """A file's hash (hex, ``algorithm`` one of ALGORITHMS), read ``chunk`` bytes at a time; HASH reads its
+    header first (``read_header``: it must be a readable safetensors file)."""
     buffer = memoryview(bytearray(chunk))
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            h.update(buffer[:n])
-    return h.hexdigest()
+        if algorithm != HASH:
+            h = HASHES[algorithm]() if algorithm == "sha256" else blake3.blake3(max_threads=blake3.blake3.AUTO)
+            while n := f.readinto(buffer):
+                h.update(buffer[:n])
+            return h.hexdigest()
+        header = read_header(path)
+        parts = [header.data_start] + [header.tensors[n].end - header.tensors[n].begin for n in file_order(header)]
+        digests = []
+        for size in parts:
+            h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            while size and (n := f.readinto(buffer[:min(chunk, size)])):
+                h.update(buffer[:n])
+                size -= n
+            if size:
+                raise ParityError(f"{path}: shorter than its header says; it changed while it was read")
+            digests.append(h.digest())
+    return blake3.blake3(b"".join(digests)).hexdigest()
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from click.testing import CliRunner
@@ -19,7 +20,7 @@ from parity.cli import cli
 from parity.errors import ParityError
 from parity.neutral import convert
 from parity.manifest import load, read_manifest
-from parity.shards import hash_file, sha256_file
+from parity.shards import HASH, hash_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,9 +53,9 @@ def test_manifest_states_conventions_and_hashes(tiny_dir, tmp_path):
     src = tiny_dir("gemma2")
     manifest = convert(src, tmp_path / "out")
     assert manifest["source"]["family"] == "gemma2"
-    assert manifest["source"]["files"]["model.safetensors"] == hash_file(src / "model.safetensors", "blake3")
+    assert manifest["source"]["files"]["model.safetensors"] == hash_file(src / "model.safetensors")
     for name, info in manifest["files"].items():
-        assert hash_file(tmp_path / "out" / name, "blake3") == info["blake3"]
+        assert hash_file(tmp_path / "out" / name) == info[HASH]
     layer0, layer1 = manifest["layers"][:2]
     assert layer0["attention"]["sliding_window"] == 8 and layer1["attention"]["sliding_window"] is None
     assert layer0["attention"]["softcap"] == 0.5 and manifest["head"]["softcap"] == 0.1
@@ -103,44 +104,61 @@ def _tamper(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _as_written_before_blake3(out: Path, src: Path) -> dict:
-    """Rewrite ``out``'s manifest as parity wrote it before BLAKE3: sha256 of every source and output file, no
-    source.hash."""
+def _as_written_before(out: Path, src: Path, algorithm: str) -> dict:
+    """Rewrite ``out``'s manifest as parity wrote it before its hash of parts: a whole file's ``algorithm`` (blake3,
+    or sha256, when ``source.hash`` was absent) for every source and output file."""
     manifest = json.loads((out / "manifest.json").read_text())
-    del manifest["source"]["hash"]
-    manifest["source"]["files"] = {name: sha256_file(src / name) for name in manifest["source"]["files"]}
-    manifest["files"] = {name: {"sha256": sha256_file(out / name), "bytes": info["bytes"]}
+    if algorithm == "sha256":
+        del manifest["source"]["hash"]
+    else:
+        manifest["source"]["hash"] = algorithm
+    manifest["source"]["files"] = {name: hash_file(src / name, algorithm) for name in manifest["source"]["files"]}
+    manifest["files"] = {name: {algorithm: hash_file(out / name, algorithm), "bytes": info["bytes"]}
                          for name, info in manifest["files"].items()}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def test_a_new_manifest_records_blake3_and_verifies(tiny_dir, tmp_path):
-    src = tiny_dir("llama")
+def _parts_digest(path: Path) -> str:
+    """HASH as its definition says, computed from safetensors' own reading of the file: BLAKE3 of the BLAKE3
+    digests of the header (length and JSON) and of each tensor's bytes, in file order."""
+    raw = path.read_bytes()
+    start = 8 + int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:start])
+    header.pop("__metadata__", None)
+    spans = sorted(tuple(info["data_offsets"]) for info in header.values())
+    digests = [blake3.blake3(raw[:start]).digest()]
+    digests += [blake3.blake3(raw[start + b:start + e]).digest() for b, e in spans]
+    return blake3.blake3(b"".join(digests)).hexdigest()
+
+
+def test_a_new_manifest_records_the_hash_of_parts_and_verifies(tiny_dir, tmp_path):
+    src = tiny_dir("gemma3")  # its norms fold (1 + w): some tensors are written as read, some converted
     manifest = convert(src, tmp_path / "out", max_shard_bytes=64 * 1024)
-    assert manifest["source"]["hash"] == "blake3" and len(manifest["files"]) > 1
-    assert manifest["source"]["files"] == {"model.safetensors": hash_file(src / "model.safetensors", "blake3")}
+    assert manifest["source"]["hash"] == HASH == "blake3_tensors" and len(manifest["files"]) > 1
+    assert manifest["source"]["files"] == {"model.safetensors": _parts_digest(src / "model.safetensors")}
+    assert _parts_digest(src / "model.safetensors") == hash_file(src / "model.safetensors")
     for name, info in manifest["files"].items():
-        assert info == {"blake3": hash_file(tmp_path / "out" / name, "blake3"),
-                        "bytes": (tmp_path / "out" / name).stat().st_size}
+        assert info == {HASH: _parts_digest(tmp_path / "out" / name), "bytes": (tmp_path / "out" / name).stat().st_size}
     assert read_manifest(tmp_path / "out") == manifest
     load(tmp_path / "out", verify=True)
     _tamper(tmp_path / "out" / sorted(manifest["files"])[-1])
-    with pytest.raises(ParityError, match="its blake3 differs from the manifest's; the file changed after conversion"):
+    with pytest.raises(ParityError, match=f"its {HASH} differs from the manifest's; the file changed after conversion"):
         load(tmp_path / "out", verify=True)
 
 
-def test_an_old_sha256_manifest_still_reads_and_verifies(tiny_dir, tmp_path):
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_an_older_manifest_still_reads_and_verifies(algorithm, tiny_dir, tmp_path):
     src = tiny_dir("llama")
     convert(src, tmp_path / "out", max_shard_bytes=64 * 1024)
-    old = _as_written_before_blake3(tmp_path / "out", src)
+    old = _as_written_before(tmp_path / "out", src, algorithm)
     assert read_manifest(tmp_path / "out") == old
     _, tensors = load(tmp_path / "out", verify=True)
     assert set(tensors) == set(old["tensors"])
     assert run("run", tmp_path / "out", "--ids", "1,2,3").exit_code == 0
     victim = tmp_path / "out" / sorted(old["files"])[0]
     _tamper(victim)
-    with pytest.raises(ParityError, match=f"{victim.name}: its sha256 differs from the manifest's"):
+    with pytest.raises(ParityError, match=f"{victim.name}: its {algorithm} differs from the manifest's"):
         load(tmp_path / "out", verify=True)
 
 

@@ -311,11 +311,12 @@ def _put(path: str, value):
     (_tensor("layers.1.attn.o.weight", dict.pop), "tensors: layers.1.attn.o.weight is missing"),
     (_tensor("final_norm.weight", lambda t, n: t[n].update(file="other.safetensors")), "name file 'other.safetensors'"),
     (_put("capture_points", "embed"), "capture_points: Input should be a valid list"),
-    (lambda m: m["files"]["model.safetensors"].pop("blake3") and None,
-     "files.model.safetensors: Value error, needs one hash: blake3 \\(or sha256"),
+    (lambda m: m["files"]["model.safetensors"].pop("blake3_tensors") and None,
+     "files.model.safetensors: Value error, needs one hash: blake3_tensors \\(or blake3 or sha256"),
     (lambda m: m["files"]["model.safetensors"].update(sha256="0" * 64), "needs one hash"),
-    (lambda m: m["files"]["model.safetensors"].update(blake3=7), "files.model.safetensors.blake3: Input should be"),
-    (_put("source.hash", "md5"), "source.hash: Input should be 'blake3' or 'sha256'"),
+    (lambda m: m["files"]["model.safetensors"].update(blake3_tensors=7),
+     "files.model.safetensors.blake3_tensors: Input should be"),
+    (_put("source.hash", "md5"), "source.hash: Input should be 'blake3_tensors', 'blake3' or 'sha256'"),
 ])
 def test_a_bad_manifest_is_refused_at_load(neutral, change, problem):
     _edit_manifest(neutral, change)
@@ -338,9 +339,10 @@ def test_manifest_files_outside_the_directory_are_refused(neutral, files, proble
     refused(problem, load, neutral)
 
 
-def test_a_manifest_hashes_its_files_with_blake3_and_older_sha256_ones_still_verify(neutral):
+def test_a_manifest_hashes_its_files_by_parts_and_older_sha256_ones_still_verify(neutral):
     manifest = read_manifest(neutral)
-    assert manifest["source"]["hash"] == "blake3" and list(manifest["files"]["model.safetensors"]) == ["blake3", "bytes"]
+    assert manifest["source"]["hash"] == shards.HASH
+    assert list(manifest["files"]["model.safetensors"]) == [shards.HASH, "bytes"]
     load(neutral, verify=True)
 
     def as_before(m):  # what parity wrote before BLAKE3: sha256 everywhere, no source.hash
