@@ -188,6 +188,32 @@ def test_each_source_byte_is_read_once(tiny_dir, tmp_path, monkeypatch):
     assert manifest["source"]["files"] == {f.name: hash_file(f) for f in sorted(src.glob("*.safetensors"))}
 
 
+def test_a_tensor_written_as_read_is_hashed_once_for_both_files(tiny_dir, tmp_path, monkeypatch):
+    """A Llama at its own dtype is written as it is stored: each byte it holds is hashed once (its digest serves
+    the source's hash and the output's); gemma3's folded norms are hashed again as written, and only those."""
+    hashed: Counter = Counter()
+    update = shards.ContentHash.update
+
+    def counting_update(self, data):
+        hashed["bytes"] += len(data)
+        return update(self, data)
+
+    monkeypatch.setattr(shards.ContentHash, "update", counting_update)
+    src, _ = resharded(tiny_dir("llama"), tmp_path / "src")
+    manifest = convert(src, tmp_path / "out")
+    assert hashed["bytes"] == sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    for file, info in manifest["files"].items():
+        assert info[HASH] == hash_file(tmp_path / "out" / file)
+
+    hashed.clear()
+    src = tiny_dir("gemma3")
+    manifest = convert(src, tmp_path / "gemma3", dtype="float32")
+    folded = sum(t["shape"][0] * 4 for n, t in manifest["tensors"].items() if "norm" in n)
+    assert folded and hashed["bytes"] == (src / "model.safetensors").stat().st_size + folded
+    for file, info in manifest["files"].items():
+        assert info[HASH] == hash_file(tmp_path / "gemma3" / file)
+
+
 def test_pieces_smaller_than_a_tensor_give_the_same_bytes(tiny_dir, tmp_path, monkeypatch):
     """Tensors (and the header, and the skipped mask) spanning many pieces are assembled whole; a piece size
     that is no multiple of any element size changes nothing in the output."""
