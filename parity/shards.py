@@ -420,7 +420,14 @@ class ContentHash:
         """The digest (bytes) once what was fed is hashed, as a Future: nothing waits for it here. Feed nothing
         after; asking again gives the same Future."""
         if self._digest is None:
-            self._digest = self._hashing.submit(lambda _: self._hash.digest(), None, self._lane)
+            earlier = list(self._pending)
+
+            def digest(_) -> bytes:
+                for update in earlier:  # done: one lane runs in order. A failed update fails the digest
+                    update.result()
+                return self._hash.digest()
+
+            self._digest = self._hashing.submit(digest, None, self._lane)
             self._pending.append(self._digest)
         return self._digest
 
