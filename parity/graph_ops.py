@@ -233,13 +233,16 @@ def read_ops(matching: Matching, values, ckpt, s: int, emit, unmatched: dict) ->
 
 
 def missing_note(unmatched: dict[str, str], engine: str) -> str | None:
-    """One warning naming the reference's ops (without their layer) a graph did not give, with why for the first."""
-    lacking: dict[str, str] = {}
+    """One warning naming the ops (without their layer) an engine did not give, each kind with why (its first
+    layer's reason; kinds that share a reason are named together)."""
+    kinds: dict[str, str] = {}
     for name in sorted(unmatched, key=names.point_order):
         if names.is_op(name):
-            lacking.setdefault(name.split(".", 2)[2], name)
-    if not lacking:
+            kinds.setdefault(name.split(".", 2)[2], unmatched[name][:200])
+    if not kinds:
         return None
-    first = next(iter(lacking.values()))
-    return (f"the {engine} gives no {', '.join(lacking)} (operation-level points; not compared): {first}: "
-            f"{unmatched[first][:200]}")
+    reasons: dict[str, list[str]] = {}
+    for kind, why in kinds.items():
+        reasons.setdefault(why, []).append(kind)
+    return (f"the {engine} gives no " + "; no ".join(f"{', '.join(k)} ({why})" for why, k in reasons.items())
+            + ": operation-level points not compared")

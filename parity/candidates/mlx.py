@@ -347,18 +347,6 @@ def _opened(candidate, ops: bool = False):
     return model, taps
 
 
-def _lacking(absent: dict[str, str]) -> str:
-    """One warning naming the ops (without their layer) mlx-lm did not give, each kind with its reason."""
-    kinds: dict[str, str] = {}
-    for name in sorted(absent, key=_order):
-        kinds.setdefault(name.split(".", 2)[2], absent[name])
-    reasons: dict[str, list[str]] = {}
-    for kind, why in kinds.items():
-        reasons.setdefault(why, []).append(kind)
-    return "mlx-lm gives no " + "; no ".join(f"{', '.join(k)} ({why})" for why, k in reasons.items()) \
-        + ": operation-level points not compared"
-
-
 def _summary(points: list[str]) -> str:
     kinds = sorted({p.split(".")[-1] if p.startswith("layers.") else p for p in points})
     return ", ".join(kinds)
@@ -382,6 +370,8 @@ def make_runner(candidate, ids: torch.Tensor, feed):
     def run(emit) -> None:
         import mlx.core as mx
 
+        from ..graph_ops import missing_note
+
         with _LOCK:
             model, taps = _opened(candidate, ops=True)
             try:
@@ -389,8 +379,9 @@ def make_runner(candidate, ids: torch.Tensor, feed):
                 captured = taps.take(ids.shape[1])
             finally:
                 taps.close()
-        if taps.absent_ops:
-            candidate.notes.warn(_lacking(taps.absent_ops))
+        lacking = missing_note(taps.absent_ops, "mlx-lm model")
+        if lacking:
+            candidate.notes.warn(lacking)
         for name in sorted(captured, key=_order):
             emit(name, captured[name])
 
