@@ -356,7 +356,7 @@ class _Reader:
                 for k, name in enumerate(file_order(header), start=1):
                     entry = header.tensors[name]
                     if name in wanted and name in streamed:
-                        part = ContentHash("blake3", self.hashing, lane=k % self.hashing.lanes)
+                        part = self.hashing.part(k)
                         pieces = self._pieces(f, file, entry.end - entry.begin, part)
                         yield name, Pieces(entry.shape, entry.dtype, pieces, part)
                         for _ in pieces:  # whatever the consumer left is still read (and hashed)
@@ -367,7 +367,7 @@ class _Reader:
                         x = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
                         yield name, x.view(getattr(torch, READ_DTYPES[entry.dtype])).reshape(entry.shape)
                     else:  # hashed, not kept
-                        part = ContentHash("blake3", self.hashing, lane=k % self.hashing.lanes)
+                        part = self.hashing.part(k)
                         for _ in self._pieces(f, file, entry.end - entry.begin, part):
                             pass
                         parts.add(part.finish())
@@ -385,7 +385,7 @@ class _Reader:
         if nbytes > len(self.buffer):
             self.buffer = bytearray(max(nbytes, self.largest))
         view = memoryview(self.buffer)[:nbytes]
-        part = ContentHash("blake3", self.hashing, lane=k % self.hashing.lanes)
+        part = self.hashing.part(k)
         for start in range(0, nbytes, READ_CHUNK):
             piece = view[start:start + READ_CHUNK]
             _fill(f, file, piece)

@@ -257,7 +257,6 @@ class ShardWriter:
         self._own = hashing is None
         self._hashing = Hashing() if hashing is None else hashing
         self.parts = Parts()
-        self._lane = 0
         self._writes: deque[Future] = deque()  # on the writing thread, not yet seen to finish
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
@@ -300,9 +299,8 @@ class ShardWriter:
             raise ParityError(f"{self.shard.path}: cannot be written ({exc.strerror or exc})") from None
 
     def _part(self) -> ContentHash:
-        """A hash for the next tensor's bytes, on the lanes in turn."""
-        self._lane += 1
-        return ContentHash("blake3", self._hashing, lane=self._lane % self._hashing.lanes)
+        """A hash for the next tensor's bytes (the next part: one per part added so far, the header first)."""
+        return self._hashing.part(len(self.parts.digests))
 
     def write(self, name: str, tensor: torch.Tensor | Pieces) -> None:
         planned = next(self.expected)
@@ -366,9 +364,9 @@ class Hashing:
     def writes(self) -> bool:
         return self._writer is not None
 
-    @property
-    def lanes(self) -> int:
-        return len(self._pools)
+    def part(self, k: int) -> ContentHash:
+        """A hash for part ``k`` of a file (HASH's parts: its header is 0, then each tensor), on the lanes in turn."""
+        return ContentHash("blake3", self, lane=k % len(self._pools))
 
     def submit(self, fn: Callable, data, lane: int = 0) -> Future:
         """Run ``fn(data)`` on ``lane``'s thread (the last lane if there are fewer)."""
