@@ -85,7 +85,7 @@ def main() -> None:
                 while f.read(2**24):
                     pass
         # the child's memory floor: python with parity's converter imported, nothing converted
-        baseline = run("import parity.neutral", "baseline", quiet=True).peak
+        baseline = run("import parity.neutral.converter", "baseline", quiet=True).peak
         for _ in range(args.repeat):  # alternated, so that load from other processes falls on both alike
             os.sync()
             before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -82,7 +82,7 @@ def real(out: Path) -> None:
 
 
 def tiny(out: Path) -> None:
-    from parity.tiny import build_model
+    from parity.reference.tiny import build_model
     from tests.conftest import ADAPTERS
     from tests.test_gguf import GGUF_FAMILIES, RELEASED
     from tests.test_gguf_quantize import WIDE

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from parity.shards import PlannedTensor, ShardWriter, plan
+from parity.storage.shards import PlannedTensor, ShardWriter, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

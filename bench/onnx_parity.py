@@ -23,8 +23,8 @@ from pathlib import Path
 
 import parity
 from parity.adapter import load_all
-from parity.onnx_export import export
-from parity.tiny import make_tiny
+from parity.ports.onnx.export import export
+from parity.reference.tiny import make_tiny
 
 
 def worst(report, key) -> tuple[float, str]:

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .errors import ParityError  # noqa: E402 - raised for every input that gets no verdict (exit code 2)
+from parity.errors import ParityError  # noqa: E402 - raised for every input that gets no verdict (exit code 2)
 
 __all__ = ["ParityError", "check"]
 
@@ -18,6 +18,6 @@ def check(reference, candidate, **options):
     Options are those of ``parity check`` (``dtype``, ``layerwise``, ``isolate``, ``calibrate``,
     ``tolerance``, ``prompt``, ``ids``, ``length``, ``inputs_file``); see ``parity.checker.run.check``.
     """
-    from .checker.run import check as run
+    from parity.checker.run import check as run
 
     return run(reference, candidate, **options)

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from .errors import ParityError
-from .report import PointResult, Tolerance
+from parity.errors import ParityError
+from parity.report import PointResult, Tolerance
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import ParityError
+from parity.errors import ParityError
 
 REPORT_VERSION = 1
 
@@ -83,7 +83,7 @@ class Report:
     generation: dict | None = None
     # --layers A:B: the slice checked, {"start", "stop", "of"}; None for the whole model
     layers: dict | None = None
-    # --decode N: the prompt, the tokens fed, what decoding crossed, each step's worst point (parity.decode)
+    # --decode N: the prompt, the tokens fed, what decoding crossed, each step's worst point (parity.reference.decode)
     decode: dict | None = None
     # the first diverging layer op by op (docs/ops.md, "Report keys"): {"layer", "how", "fed", "ops" (point results,
     # PointResult.to_json() dicts, in forward order), "first", "op_before", "concentration", "summary"}; None: none
@@ -211,7 +211,7 @@ def _float(x) -> float:
 
 
 def _point(p: dict) -> PointResult:
-    from . import names
+    from parity import names
 
     name = _typed(_typed(p, dict, "a point")["name"], str, "a point's name")
     names.point_order(name)  # a name parity can place in forward order
@@ -258,7 +258,7 @@ def merge_slices(reports: list[tuple[str, Report]]) -> Report:
     """Join the reports of ``--layers`` slices (source name, report) into the report of the whole model: the
     points in forward order, so that the first divergence is the first in the model. Slices that overlap, or
     come from different checks, are refused; a layer no slice covers leaves no verdict (ParityError)."""
-    from . import names
+    from parity import names
 
     if not reports:
         raise ParityError("report merge: give the JSON reports of the slices to join")

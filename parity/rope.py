@@ -1,6 +1,6 @@
 """RoPE math, with no model to run: the inverse frequencies a layer's RoPE implies and the row permutations
 between its two pair layouts. The layout code (saved buffers, converters, exporters, prompt lengths) and the
-executor (parity/executor/rope.py, which applies RoPE at run time) both read it from here.
+executor (parity/neutral/executor/rope.py, which applies RoPE at run time) both read it from here.
 
 One layer's RoPE is a plain dict (the manifest's ``layers[i].attention.rope``)::
 
@@ -190,7 +190,7 @@ def interleave_permutation(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """Index map p [head_dim]: rows_interleaved = rows_half[p] for one head's q or k projection rows.
 
     Half-split pair (j, j + r/2) lands in dims (2j, 2j+1); dims from rotary_dim on stay in place. Applied to both
-    q and k rows, attention scores are unchanged when parity.executor.rope.apply() then runs with style
+    q and k rows, attention scores are unchanged when parity.neutral.executor.rope.apply() then runs with style
     "interleaved".
     """
     half = rotary_dim // 2

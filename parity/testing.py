@@ -9,13 +9,13 @@
 
 from __future__ import annotations
 
-from .report import Report
+from parity.report import Report
 
 
 def assert_parity(reference, candidate, **options) -> Report:
     """Run ``parity.check`` and raise AssertionError naming the first divergence when it fails."""
-    from . import check
-    from .render import verdict
+    from parity import check
+    from parity.render import verdict
 
     report = check(reference, candidate, **options)
     if not report:

@@ -41,9 +41,9 @@ class Built:
 def build(root: Path) -> Built:
     from parity.adapter import load_all
     from parity.dumps import write_dump
-    from parity.executor.model import NeutralModel
-    from parity.neutral import convert
-    from parity.tiny import make_tiny
+    from parity.neutral.executor.model import NeutralModel
+    from parity.neutral.converter import convert
+    from parity.reference.tiny import make_tiny
 
     checkpoint = make_tiny(load_all()["llama"], root / "llama")
     neutral = root / "llama.neutral"
@@ -249,7 +249,7 @@ def tiny_gguf(b: Built) -> Path:
     """The tiny llama as a GGUF file (`parity convert --to gguf`), written once beside the built inputs."""
     path = b.checkpoint.parent / "llama.gguf"
     if not path.exists():
-        from parity.gguf_export import export
+        from parity.ports.gguf.export import export
 
         export(b.checkpoint, path)
     return path

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from parity.adapter import load_all
-from parity.tiny import make_tiny
+from parity.reference.tiny import make_tiny
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ADAPTERS = load_all()
@@ -37,7 +37,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def neutral_dir(tiny_dir, tmp_path_factory):
     """neutral_dir(family) -> that family's tiny checkpoint converted to the neutral layout (on first use)."""
-    from parity.neutral import convert
+    from parity.neutral.converter import convert
 
     root = tmp_path_factory.mktemp("neutral")
     built: dict[str, Path] = {}

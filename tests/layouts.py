@@ -8,7 +8,7 @@ beyond its header, so a 27B layout takes kilobytes of disk.
 
 Shapes come from transformers, not from parity: the config's architecture class is built on the meta device
 and each checkpoint name is mapped to its in-memory name with transformers' own key renaming (the same
-``get_model_conversion_mapping`` / ``rename_source_key`` that ``from_pretrained`` and ``parity.lazy`` use;
+``get_model_conversion_mapping`` / ``rename_source_key`` that ``from_pretrained`` and ``parity.storage.lazy`` use;
 e.g. medgemma's ``language_model.model.X`` is ``model.language_model.X`` in memory). A checkpoint tensor that
 transformers would drop on load, or that a converter reshapes, is a ``LayoutError``: the layout cannot be
 materialised faithfully, and saying so beats a shape guessed.
@@ -27,7 +27,7 @@ from typing import Mapping
 import torch
 import transformers
 
-from parity.shards import DTYPE_BITS
+from parity.storage.shards import DTYPE_BITS
 
 LAYOUTS = Path(__file__).parent / "fixtures" / "layouts"
 NAMES = sorted(p.name for p in LAYOUTS.iterdir() if (p / "config.json").is_file())
@@ -117,7 +117,7 @@ def load_dir(directory: Path) -> Layout:
     in_memory: dict[str, str] = {}
     dropped, converted = [], []
     for key in index["weight_map"]:
-        # as transformers renames on load (parity.lazy._Loader.rename): renamings, at most one converter,
+        # as transformers renames on load (parity.storage.lazy._Loader.rename): renamings, at most one converter,
         # then the base-model prefix added or stripped as the model needs
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
         if renamed not in meta and key in meta:

@@ -12,11 +12,11 @@ from parity.adapter import builtin_dir, load_adapter, load_all, resolve, resolve
 from parity.cli import cli
 from parity.errors import ParityError
 
-from .conftest import FIXTURES
+from tests.conftest import FIXTURES
 
 # Every built-in family's data, dumped with the code before adapters could extend one another.
 RESOLVED = json.loads((FIXTURES / "resolved_adapters.json").read_text())
-SCHEMA_HINT = "unknown key (check its spelling against the schema in parity/adapter_schema.py)"
+SCHEMA_HINT = "unknown key (check its spelling against the schema in parity/adapter/schema.py)"
 KNOWN = ("bert, deepseek_v3, gemma, gemma2, gemma3, gemma4, gpt2, llama, mistral, mixtral, olmo2, qwen2, qwen3, "
          "qwen3_moe")
 

@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
-from parity.inspection import report
-from parity.tiny import make_tiny
+from parity.checkpoint.inspection import report
+from parity.reference.tiny import make_tiny
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 
 def _cli(*args):

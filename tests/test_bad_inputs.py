@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from parity.cli import cli
 
-from .bad_inputs import BAD_INPUTS, ROOT, build, markdown_table, outputs
+from tests.bad_inputs import BAD_INPUTS, ROOT, build, markdown_table, outputs
 
 
 @pytest.fixture(scope="module")

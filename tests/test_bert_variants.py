@@ -9,13 +9,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from parity.capture import run_and_capture
+from parity.reference.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.executor.model import NeutralModel
-from parity.neutral import convert
-from parity.tiny import build_model
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.converter import convert
+from parity.reference.tiny import build_model
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(40)]])
 

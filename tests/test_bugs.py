@@ -9,13 +9,14 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import parity
-from parity import bugs, selftest
+from parity.diagnosis import bugs
+from parity.cli import selftest
 from parity.adapter import load_all
 from parity.cli import cli
-from parity.neutral import convert
-from parity.manifest import load
+from parity.neutral.converter import convert
+from parity.neutral.manifest import load
 
-from .design_doc import plain, table
+from tests.design_doc import plain, table
 
 # docs/design.md's "Porting-bug ids" table: `id` | the mistake | families
 DESIGN = [(plain(bug_id), mistake, families) for bug_id, mistake, families in table("Porting-bug ids")]

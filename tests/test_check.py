@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 
 import parity
 from parity.cli import cli
-from parity.neutral import convert
+from parity.neutral.converter import convert
 from parity.testing import assert_parity
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from parity import __version__
 from parity.cli import cli
 
-from .conftest import FIXTURES
+from tests.conftest import FIXTURES
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from parity.cli import cli
 from parity.errors import ParityError
-from parity.neutral import convert
-from parity.manifest import load, read_manifest
-from parity.shards import HASH, hash_file
+from parity.neutral.converter import convert
+from parity.neutral.manifest import load, read_manifest
+from parity.storage.shards import HASH, hash_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -212,7 +212,7 @@ def test_existing_output_is_refused_without_force(tiny_dir, tmp_path):
 SLOW_CONVERT = """
 import sys, time
 from parity import shards
-from parity.neutral import convert
+from parity.neutral.converter import convert
 write = shards.ShardWriter.write
 def slow(self, name, tensor):
     time.sleep(0.2)

@@ -18,14 +18,15 @@ import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from parity import manifest as manifest_module
-from parity import neutral, shards
+from parity.neutral import manifest as manifest_module
+from parity.neutral import converter as neutral
+from parity.storage import shards
 from parity.checkpoint import check_tensors, open_checkpoint
 from parity.cli import cli
-from parity.executor.model import NeutralModel
-from parity.neutral import build_manifest, convert, restyle_rope, to_neutral
-from parity.manifest import DTYPES, load
-from parity.shards import DTYPE_NAMES, HASH, hash_file, read_header
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.converter import build_manifest, convert, restyle_rope, to_neutral
+from parity.neutral.manifest import DTYPES, load
+from parity.storage.shards import DTYPE_NAMES, HASH, hash_file, read_header
 
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(24)]])
 SHARDS = 3
@@ -143,7 +144,7 @@ def test_a_sharded_source_converts_as_the_plain_way_does(family, options, tiny_d
 
 
 def _counting_open(reads: Counter):
-    """``open`` for parity.neutral that counts the bytes read from each safetensors file."""
+    """``open`` for parity.neutral.converter that counts the bytes read from each safetensors file."""
     class Counted:
         def __init__(self, f, name):
             self.f, self.name = f, name

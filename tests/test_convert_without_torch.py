@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.manifest import load
+from parity.neutral.manifest import load
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVERT = """

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from parity.cli import cli
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 pytest.importorskip("ctranslate2")
 
@@ -58,7 +58,7 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """made(family, overrides=None, name=None): a tiny checkpoint (with its tokenizer: the converter reads it)."""
-    from parity.tiny import _tokenizer, build_model
+    from parity.reference.tiny import _tokenizer, build_model
 
     root = tmp_path_factory.mktemp("ct2-checkpoints")
     built = {}

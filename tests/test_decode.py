@@ -1,6 +1,6 @@
 """Decode parity (--decode N): the KV-cache path step by step, against transformers' uncached forward.
 
-The executor's cache (parity.executor.cache) and transformers' own cache classes must both reproduce the
+The executor's cache (parity.neutral.executor.cache) and transformers' own cache classes must both reproduce the
 uncached forward at every step and point in float32; each KV-cache bug of the catalog, run by the executor,
 must fail at its step and be named, while the prefill-only check of the same candidate passes.
 """
@@ -13,16 +13,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from parity import bugs
+from parity.diagnosis import bugs
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
-from parity.decode import crossings, prompt_length
+from parity.reference.decode import crossings, prompt_length
 from parity.errors import ParityError
-from parity.executor.model import NeutralModel
-from parity.manifest import load
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.manifest import load
 from parity.checker.run import check
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 DECODERS = [f for f in FAMILIES if f != "bert"]  # every causal language model
 
@@ -78,7 +78,7 @@ def test_the_executor_cache_equals_its_uncached_forward_at_every_position(neutra
             if i in cache.slots:
                 assert cache.slots[i][0].shape[2] == (window - 1 if window else 20), (family, i)
         # keeping every key and letting the mask window them (an exported graph's cache) attends to the same
-        from parity.executor.cache import KVCache
+        from parity.neutral.executor.cache import KVCache
 
         everything = KVCache(manifest["num_layers"], evict=False)
         kept = [model(ids[:, :3], cache=everything)] + [model(ids[:, k:k + 1], cache=everything) for k in range(3, 20)]
@@ -253,7 +253,7 @@ def cached_onnx(tiny_dir, tmp_path_factory):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from . import onnx_helpers
+    from tests import onnx_helpers
 
     root = tmp_path_factory.mktemp("onnx-cache")
     sources = {f: str(tiny_dir(f)) for f in DECODERS}

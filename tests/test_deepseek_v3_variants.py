@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parity.adapter import resolve
-from parity.capture import run_and_capture
+from parity.reference.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.tiny import build_model
+from parity.reference.tiny import build_model
 
-from .conftest import ADAPTERS, FIXTURES
+from tests.conftest import ADAPTERS, FIXTURES
 
 PROMPT = torch.tensor([[(5 * k + 1) % 256 for k in range(40)]])
 

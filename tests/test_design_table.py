@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from parity.checkpoint import open_checkpoint
-from parity.inspection import report
+from parity.checkpoint.inspection import report
 
-from .conftest import ADAPTERS, FIXTURES
-from .design_doc import plain, table
+from tests.conftest import ADAPTERS, FIXTURES
+from tests.design_doc import plain, table
 
 # real config file -> (family, norm, eps, weight, placement, norms per layer), one row of docs/design.md a family
 TABLE = {plain(config): (plain(family), norm, float(eps), plain(weight), placement, per_layer)

@@ -106,7 +106,7 @@ def test_located_on_a_transformers_candidate(mistake, llama, tmp_path):
 
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_located_on_a_neutral_candidate(mistake, llama, tmp_path):
-    from parity.neutral import convert
+    from parity.neutral.converter import convert
 
     edit, op, head = MISTAKES[mistake]
     candidate = tmp_path / "neutral"
@@ -127,7 +127,7 @@ def test_every_op_captured_with_points_ops(llama, tmp_path):
 
 
 def test_scores_scaled_on_a_neutral_candidate(llama, tmp_path):
-    from parity.neutral import convert
+    from parity.neutral.converter import convert
 
     candidate = tmp_path / "neutral"
     convert(llama, candidate)
@@ -165,7 +165,7 @@ def _gguf(checkpoint: Path, out: Path) -> Path:
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_located_on_a_gguf_candidate(mistake, llama, tmp_path):
     """llama.cpp runs its graph whole: the drilled layer runs from each side's own input (the layers before it
-    agreed), its ops read from the graph's tensors (parity.gguf_ops)."""
+    agreed), its ops read from the graph's tensors (parity.ports.gguf.ops)."""
     edit, op, head = MISTAKES[mistake]
     candidate = _gguf(_edited(llama, tmp_path / "candidate", edit), tmp_path / "candidate.gguf")
     result, report = _check(llama, candidate, tmp_path / "r.json")
@@ -179,7 +179,7 @@ def test_scores_scaled_on_a_gguf_candidate(tmp_path):
     head_dim of 16, the file's scores are sqrt(18 / 16) = 1.06 times the reference's, and nothing before them
     differs. The catalog names it too (attn-scale-wrong, which first shows at attn.scores)."""
     from parity.adapter import load_all
-    from parity.tiny import build_model
+    from parity.reference.tiny import build_model
 
     reference = tmp_path / "gemma2"
     build_model(load_all()["gemma2"], overrides={"attention_bias": False,
@@ -199,10 +199,10 @@ def test_located_in_an_engine_dump_that_stores_ops(llama, tmp_path):
     """A dump that stores operation-level points under their names (docs/dumps.md) is drilled down like any
     candidate: here parity's executor on the broken checkpoint, dumped as an engine would dump itself."""
     from parity.dumps import write_dump
-    from parity.executor.model import NeutralModel
-    from parity.inputs import select_inputs
+    from parity.neutral.executor.model import NeutralModel
+    from parity.checkpoint.inputs import select_inputs
     from parity.checkpoint import open_checkpoint
-    from parity.neutral import convert
+    from parity.neutral.converter import convert
 
     neutral = tmp_path / "neutral"
     convert(_edited(llama, tmp_path / "candidate", _scale_kv_head_k), neutral)

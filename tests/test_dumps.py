@@ -17,9 +17,9 @@ import parity
 from parity.cli import cli
 from parity.dumps import write_dump
 from parity.errors import ParityError
-from parity.executor.model import NeutralModel
+from parity.neutral.executor.model import NeutralModel
 from parity.checker.record import record
-from parity.neutral import convert
+from parity.neutral.converter import convert
 
 ROOT = Path(__file__).resolve().parent.parent
 

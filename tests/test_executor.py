@@ -6,13 +6,13 @@ import pytest
 import torch
 import transformers
 
-from parity.capture import run_and_capture
+from parity.reference.capture import run_and_capture
 from parity.checkpoint import open_checkpoint
-from parity.executor.model import NeutralModel
-from parity.neutral import convert
-from parity.manifest import load
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.converter import convert
+from parity.neutral.manifest import load
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 # long enough to cross every tiny checkpoint's sliding window (8 or 16) and RoPE scaling threshold
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(48)]])
@@ -102,7 +102,7 @@ def test_the_executor_imports_nothing_from_transformers(neutral_dir):
     import subprocess
     import sys
 
-    code = ("import sys, torch; from parity.executor.model import NeutralModel; "
+    code = ("import sys, torch; from parity.neutral.executor.model import NeutralModel; "
             f"m = NeutralModel.load({str(neutral_dir('gemma2'))!r}); m(torch.tensor([[1, 2, 3]])); "
             "print(sorted(n for n in sys.modules if n.split('.')[0] == 'transformers'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
-from parity.capture import run_and_capture
+from parity.reference.capture import run_and_capture
 from parity.checkpoint import open_checkpoint
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(40)]])
 

@@ -13,12 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
-from parity.inspection import report
-from parity.quantization import dequantize, scale_shape
-from parity.tiny import make_tiny
+from parity.checkpoint.inspection import report
+from parity.storage.quantization import dequantize, scale_shape
+from parity.reference.tiny import make_tiny
 
-from .conftest import ADAPTERS
-from .fp8 import dequantized_twin, expand, quantize
+from tests.conftest import ADAPTERS
+from tests.fp8 import dequantized_twin, expand, quantize
 
 BLOCK = (8, 16)  # not square, so that a transposed block grid cannot pass
 

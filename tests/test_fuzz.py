@@ -30,18 +30,19 @@ from rich.console import Console
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from parity import dumps, render, shards
+from parity import dumps, render
+from parity.storage import shards
 from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import inside, inventory, open_checkpoint
 from parity.errors import ParityError
-from parity.golden import open_golden
-from parity.manifest import load
+from parity.reference.golden import open_golden
+from parity.neutral.manifest import load
 from parity.report import Report, merge_slices
 from parity.candidates import Candidate
-from parity.models import Models
+from parity.reference.models import Models
 
-from .bad_inputs import GOLDEN, build, onnx_model
-from .conftest import ADAPTERS, FIXTURES
+from tests.bad_inputs import GOLDEN, build, onnx_model
+from tests.conftest import ADAPTERS, FIXTURES
 
 
 def fuzz(examples: int):
@@ -55,7 +56,7 @@ def fuzz(examples: int):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The real files every corpus starts from, built once."""
-    from parity.onnx_export import export
+    from parity.ports.onnx.export import export
 
     root = tmp_path_factory.mktemp("fuzz")
     built = build(root)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 from parity.adapter import recognise, resolve
-from parity.tiny import build_model
+from parity.reference.tiny import build_model
 
-from .conftest import ADAPTERS, FIXTURES
-from .test_gemma_variants import mismatches, real_model
+from tests.conftest import ADAPTERS, FIXTURES
+from tests.test_gemma_variants import mismatches, real_model
 
 
 def test_tiny_gemma2_agrees_with_transformers():

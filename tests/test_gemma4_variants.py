@@ -11,12 +11,12 @@ import torch
 import transformers
 
 from parity.adapter import recognise, resolve, text_config
-from parity.capture import run_and_capture
+from parity.reference.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.tiny import build_model, make_tiny, randomise, tiny_config
+from parity.reference.tiny import build_model, make_tiny, randomise, tiny_config
 
-from .conftest import ADAPTERS, FIXTURES
-from .test_gemma_variants import mismatches, real_model
+from tests.conftest import ADAPTERS, FIXTURES
+from tests.test_gemma_variants import mismatches, real_model
 
 PROMPT = torch.tensor([[(7 * k + 3) % 250 + 3 for k in range(40)]])
 

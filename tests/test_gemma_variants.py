@@ -14,9 +14,9 @@ import torch
 import transformers
 
 from parity.adapter import recognise, resolve, text_config
-from parity.tiny import build_model
+from parity.reference.tiny import build_model
 
-from .conftest import ADAPTERS, FIXTURES
+from tests.conftest import ADAPTERS, FIXTURES
 
 ACTIVATION_CLASSES = {"gelu_tanh": ("PytorchGELUTanh", "GELUTanh"), "gelu_exact": ("GELUActivation",), "silu": ("SiLU",)}
 

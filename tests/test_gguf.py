@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from parity.cli import cli
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
@@ -60,7 +60,7 @@ RELEASED = {"llama": {}, "qwen2": {"use_sliding_window": False, "rope_scaling": 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """released(family): a tiny checkpoint of the family as its released models are configured."""
-    from parity.tiny import build_model
+    from parity.reference.tiny import build_model
 
     root = tmp_path_factory.mktemp("released")
     made = {}
@@ -191,7 +191,7 @@ def test_a_vocabulary_that_splits_the_prompt_otherwise_is_reported(tmp_path, tin
     """The GGUF carries the checkpoint's byte-level BPE vocabulary; llama.cpp re-tokenizes the prompt's text with
     it. The same vocabulary gives the same ids (no warning); one with 'h' and 'e' swapped is reported (the check
     still feeds the reference's ids, so the verdict stands)."""
-    from parity import gguf_export
+    from parity.ports.gguf import export as gguf_export
 
     reference = tiny_dir("llama")
     good = tmp_path / "good.gguf"

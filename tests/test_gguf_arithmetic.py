@@ -1,4 +1,4 @@
-"""llama.cpp's CPU arithmetic, emulated on the same-weights reference (parity/ggml.py): exact at one matmul, closer
+"""llama.cpp's CPU arithmetic, emulated on the same-weights reference (parity/reference/arithmetic/ggml.py): exact at one matmul, closer
 to llama.cpp than the plain same-weights reference over a whole model, and no cover for a broken twin.
 
 Measured on this machine (x86, AVX-512; llama-cpp-python's ggml-cpu), the 64-token default prompt:
@@ -18,7 +18,7 @@ Measured on this machine (x86, AVX-512; llama-cpp-python's ggml-cpu), the 64-tok
   the emulating reference (F16's worst about 7x, the integer types' 20x to 1e5x);
 - a tie is exact: torch's ``127.0 / t`` is ``127 * (1 / t)``, an ulp off C's division for a quarter of values,
   which put OLMo 2's layer-0 inputs (embeddings read from a Q4_0 table: lattice values, Q8_0 ties at 63.5) on
-  the wrong side, 2.7e-3 off; parity.ggml divides as C does (3e-8).
+  the wrong side, 2.7e-3 off; parity.reference.arithmetic.ggml divides as C does (3e-8).
 """
 
 from __future__ import annotations
@@ -29,18 +29,18 @@ import shutil
 import pytest
 import torch
 
-from .conftest import ADAPTERS
-from .gguf_twins import write_twin
-from .test_gguf import GGUF_FAMILIES, RELEASED, _check, _cli
-from .test_gguf_quantize import WIDE
+from tests.conftest import ADAPTERS
+from tests.gguf_twins import write_twin
+from tests.test_gguf import GGUF_FAMILIES, RELEASED, _check, _cli
+from tests.test_gguf_quantize import WIDE
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
 
 from parity.candidates.gguf import GGUFRun, _read
 from parity.compare import ENGINE_MULTIPLE, NOISE_FLOOR
-from parity.ggml import ACTIVATIONS, block_mins, round_activations
-from parity.gguf_weights import BANDS, REQUANTIZABLE
+from parity.reference.arithmetic.ggml import ACTIVATIONS, block_mins, round_activations
+from parity.ports.gguf.weights import BANDS, REQUANTIZABLE
 
 IDS = [(37 * k + 11) % 256 for k in range(16)]  # tokens for the one-op runs (every tiny vocabulary has 256)
 
@@ -55,7 +55,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def checkpoint(tmp_path_factory):
     """checkpoint(source): a family's tiny checkpoint configured as its released models are (test_gguf.RELEASED),
     or "wide": the tiny Llama with rows of 256 and 512 columns, which the K-quants' blocks fit."""
-    from parity.tiny import build_model
+    from parity.reference.tiny import build_model
 
     root = tmp_path_factory.mktemp("arith-checkpoints")
     made = {}

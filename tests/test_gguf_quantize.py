@@ -10,12 +10,12 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from parity import gguf_file, gguf_quantize
+from parity.ports.gguf import file as gguf_file, quantize as gguf_quantize
 from parity.cli import cli
 from parity.errors import ParityError
-from parity.gguf_export import TYPES, export
+from parity.ports.gguf.export import TYPES, export
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 pytest.importorskip("gguf")
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -37,7 +37,7 @@ def _left(directory, keep=()):
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
-    from parity.tiny import build_model
+    from parity.reference.tiny import build_model
 
     path = tmp_path_factory.mktemp("wide") / "llama"
     build_model(ADAPTERS["llama"], overrides=WIDE).save_pretrained(path)

@@ -15,14 +15,15 @@ import parity
 from parity.cli import cli
 from parity.errors import ParityError
 from parity.checker.record import record
-from parity.golden import open_golden
+from parity.reference.golden import open_golden
 from parity.checker.run import verify_golden as verify
-from parity.neutral import convert
-from parity.tiny import make_tiny
+from parity.checkpoint.inputs import Prompts
+from parity.neutral.converter import convert
+from parity.reference.tiny import make_tiny
 
-from .conftest import ADAPTERS, FAMILIES
-from .test_check import edited
-from .test_dumps import executor_dump
+from tests.conftest import ADAPTERS, FAMILIES
+from tests.test_check import edited
+from tests.test_dumps import executor_dump
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "golden"
@@ -246,7 +247,7 @@ def test_inputs_cli_for_a_checkpoint_and_a_golden(built, tmp_path):
     assert invoke("inputs", b["reference"], "-o", both, "--inputs", two).exit_code == 0
     assert json.loads(both.read_text()) == [list(b"hello world"), [5, 6, 7]]
     # a golden of two inputs replays both; a dump is one run, so it matches only a one-input golden
-    golden = record(b["reference"], tmp_path / "two", inputs_file=two)
+    golden = record(b["reference"], tmp_path / "two", prompts=Prompts(inputs_file=two))
     assert [r["file"] for r in golden.runs] == ["activations.safetensors", "activations.1.safetensors"]
     assert parity.check(golden.path, b["neutral"], layerwise=True).verdict == "pass"
     assert parity.check(golden.path, b["neutral"], inputs_file=both).verdict == "pass"

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
-from parity.models import Models, compile_between_points
+from parity.reference.models import Models, compile_between_points
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 # float32, measured on the tiny checkpoints (parity check --candidate-attn sdpa): every family's worst point is
 # below 2e-6 (gemma4: 1.1e-6 at the logits); the bound leaves room for other CPUs' summation orders

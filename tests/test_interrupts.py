@@ -78,13 +78,13 @@ def _interrupt(tmp_path: Path, args: list[str], target: str | None, stay: bool, 
 # (what is interrupted, extra options, the function whose call begins the phase, stay in it)
 PHASES = [
     ("start-up and imports", [], None, False),
-    ("loading the reference", ["--layerwise"], "parity.models:hf_runner", True),
-    ("the reference's thread", ["--layerwise"], "parity.capture:hooks", True),
+    ("loading the reference", ["--layerwise"], "parity.reference.models:hf_runner", True),
+    ("the reference's thread", ["--layerwise"], "parity.reference.capture:hooks", True),
     ("the candidate's forward", ["--layerwise"], "parity.candidates.neutral:make_runner", True),
-    ("a long decode", ["--decode", "2000"], "parity.decode:greedy", False),
+    ("a long decode", ["--decode", "2000"], "parity.reference.decode:greedy", False),
     ("the candidate's decode", ["--decode", "8"], "parity.candidates.neutral:make_decoder", True),
     ("a long generation", ["--generate", "3000"], "parity.checker.run:_generate", False),
-    ("the diagnosis", ["--layerwise", "--inject", "norm-offset-added"], "parity.diagnose:diagnose", True),
+    ("the diagnosis", ["--layerwise", "--inject", "norm-offset-added"], "parity.diagnosis.diagnose:diagnose", True),
     ("writing the report", ["--layerwise"], "parity.render:write", True),
 ]
 
@@ -101,5 +101,5 @@ def test_ctrl_c_ends_a_check_in_every_phase(tiny_dir, neutral_dir, tmp_path, pha
 def test_ctrl_c_ends_a_conversion_and_leaves_nothing(tiny_dir, tmp_path):
     out = tmp_path / "converted"
     _interrupt(tmp_path, ["convert", str(tiny_dir("llama")), "--to", "neutral", "-o", str(out)],
-               "parity.shards:ShardWriter.write", True)
+               "parity.storage.shards:ShardWriter.write", True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["phase-began"]

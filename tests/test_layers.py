@@ -1,10 +1,12 @@
-"""parity's modules in layers (docs/design.md, "Architecture"): no import cycle, not even through an import inside
-a function; the executor sits above the layout code and is run only by the modules that must run a model; and the
-import graph's depth, printed by every failure here, does not grow unnoticed."""
+"""parity's modules in floors (docs/design.md, "Architecture", whose table of floors this file reads): every import
+goes to its own floor or one below, not even an import inside a function runs up or closes a cycle; the executor is
+run only by the modules that must run a model; the check names no engine; and the import graph's depth, printed by
+every failure here, does not grow unnoticed."""
 
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
@@ -13,13 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # The modules outside parity/executor that import it, each with the reason it must run the executor
 EXECUTOR_USERS = {
     "parity.candidates.neutral": "a neutral directory as a candidate is run by the executor",
-    "parity.diagnose": "each catalogued mistake is replayed in the executor to find the one that explains a failure",
-    "parity.onnx_export": "`convert --to onnx` traces the executor into the graph (and its KV cache with it)",
+    "parity.diagnosis.diagnose": "each catalogued mistake is replayed in the executor to find the one that explains a failure",
+    "parity.ports.onnx.export": "`convert --to onnx` traces the executor into the graph (and its KV cache with it)",
     "parity.cli": "`parity run` runs a neutral directory with the executor",
 }
 
 # The longest chain of imports today, in modules ("floors"); a change that adds a floor raises it here, on purpose
-MAX_FLOORS = 16
+MAX_FLOORS = 18
 
 
 def package_imports() -> dict[str, set[str]]:
@@ -94,18 +96,18 @@ def test_parity_has_no_import_cycles():
     assert cycle is None, f"import cycle {' -> '.join(cycle)}"
     joiners = {m for m, ts in graph.items() if "parity.candidates" in ts}
     assert joiners and joiners <= _below(graph, "parity.cli"), joiners
-    for kind in ["parity.golden", *(m for m in graph if m.startswith("parity.candidates."))]:
+    for kind in ["parity.reference.golden", *(m for m in graph if m.startswith("parity.candidates."))]:
         assert not _below(graph, kind) & joiners, f"{kind} imports {sorted(_below(graph, kind) & joiners)}"
 
 
 def test_only_the_modules_that_run_a_model_import_the_executor():
     """The layout code (names, checkpoints, buffers, neutral, exporters, lengths) reads RoPE's math from parity.rope;
-    parity.executor runs models and is imported only where a model is run."""
+    parity.neutral.executor runs models and is imported only where a model is run."""
     graph = package_imports()
-    users = {m for m, ts in graph.items() if not m.startswith("parity.executor")
-             and any(t == "parity.executor" or t.startswith("parity.executor.") for t in ts)}
+    users = {m for m, ts in graph.items() if not m.startswith("parity.neutral.executor")
+             and any(t == "parity.neutral.executor" or t.startswith("parity.neutral.executor.") for t in ts)}
     assert users == set(EXECUTOR_USERS), (
-        f"import parity.executor only to run a model; unexpected: {sorted(users - set(EXECUTOR_USERS))}, "
+        f"import parity.neutral.executor only to run a model; unexpected: {sorted(users - set(EXECUTOR_USERS))}, "
         f"no longer importing it (drop from EXECUTOR_USERS): {sorted(set(EXECUTOR_USERS) - users)}; {_depth(graph)}")
     assert not {t for t in graph["parity.rope"] if t.startswith("parity.")}, "parity.rope is pure math"
 
@@ -153,4 +155,76 @@ def test_the_check_sits_above_everything_but_the_entry_points():
     graph = package_imports()
     users = {m for m, ts in graph.items() if not m.startswith("parity.checker")
              and any(t.startswith("parity.checker") for t in ts)}
-    assert users <= {"parity", "parity.cli", "parity.cli_golden", "parity.selftest", "parity.testing"}, users
+    assert users <= {"parity", "parity.cli", "parity.cli.common", "parity.cli.golden", "parity.cli.selftest",
+                     "parity.testing"}, users
+
+
+@cache
+def floors() -> dict[str, int]:
+    """docs/design.md's table of floors: package or module prefix -> floor number."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    found = {}
+    for number, cells in re.findall(r"^\| (\d+) [^|]+\| ([^|]+) \|$", text, re.M):
+        for name in re.findall(r"`([\w.]+)`", cells):
+            found[name] = int(number)
+    assert found, "docs/design.md has no table of floors"
+    return found
+
+
+def floor_of(module: str) -> int:
+    table = floors()
+    best = max((p for p in table if module == p or module.startswith(p + ".")), key=len, default=None)
+    assert best is not None, f"{module} is on no floor of docs/design.md's table: add its folder there"
+    return table[best]
+
+
+def test_every_import_runs_down_the_floors():
+    graph = package_imports()
+    up = sorted(f"{m} (floor {floor_of(m)}) imports {t} (floor {floor_of(t)})"
+                for m, ts in graph.items() for t in ts if floor_of(t) > floor_of(m))
+    assert not up, "imports that run up the floors (docs/design.md, Architecture):\n" + "\n".join(up)
+
+
+def test_the_package_face_is_small_and_each_concern_a_folder():
+    """At most 12 modules directly in parity/, and no family of files sharing a prefix (gguf_*, render_*): a concern
+    with several modules is a folder."""
+    top = sorted(f.stem for f in (ROOT / "parity").glob("*.py"))
+    assert len(top) <= 12, top
+    for folder in [ROOT / "parity", *(d for d in (ROOT / "parity").rglob("*") if d.is_dir())]:
+        stems = [f.stem for f in folder.glob("*.py") if "_" in f.stem.strip("_")]
+        prefixes = {}
+        for stem in stems:
+            prefixes.setdefault(stem.split("_")[0], []).append(stem)
+        families = {k: v for k, v in prefixes.items() if len(v) > 1}
+        assert not families, f"{folder.relative_to(ROOT)}: {families}: make each prefix a folder"
+    assert not (ROOT / "parity" / "adapters").exists(), "the wheel force-includes adapters/ at parity/adapters"
+
+
+def test_no_function_takes_more_than_12_parameters():
+    """Options travel in typed objects (parity.checker.options.CheckOptions, Prompts, Outputs), not in long lists."""
+    long = []
+    for file in sorted((ROOT / "parity").rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                a = node.args
+                count = (len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None)
+                         + (a.kwarg is not None))
+                if count > 12:
+                    long.append(f"{file.relative_to(ROOT)}:{node.lineno} {getattr(node, 'name', 'lambda')} ({count})")
+    assert not long, long
+
+
+ENGINE_WORDS = re.compile(r"gguf|ggml|llama\.?cpp|onnx|\bort\b|openvino|mlx|ctranslate|tensorrt|vllm", re.I)
+
+
+def test_the_check_names_no_engine():
+    """The check knows candidates only through their protocol: it imports no kind's module (nor any engine format)
+    and names no engine, in its code, messages or comments; a new engine is one module in parity/candidates."""
+    graph = package_imports()
+    for m, ts in graph.items():
+        if m.startswith("parity.checker"):
+            kinds = {t for t in ts if t.startswith(("parity.candidates.", "parity.ports", "parity.reference.arithmetic"))}
+            assert not kinds, f"{m} imports {sorted(kinds)}"
+    named = [f"{f.relative_to(ROOT)}:{n}: {line.strip()}" for f in sorted((ROOT / "parity" / "checker").rglob("*.py"))
+             for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if ENGINE_WORDS.search(line)]
+    assert not named, named

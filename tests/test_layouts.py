@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from parity.cli import cli
 
-from .layouts import INDEX, NAMES, LayoutError, load, load_dir, materialise
+from tests.layouts import INDEX, NAMES, LayoutError, load, load_dir, materialise
 
 
 @dataclass(frozen=True)

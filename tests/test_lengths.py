@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from parity.checkpoint import open_checkpoint
-from parity.lengths import default_length, exercised, thresholds
+from parity.checkpoint.lengths import default_length, exercised, thresholds
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from parity.cli import cli
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 pytest.importorskip("mlx_lm")
 
@@ -69,7 +69,7 @@ def write_tiny(family: str, out: Path, overrides: dict | None = None, hub: bool 
     hub-style config (``hub``) and GPT-2's tensors unprefixed, as the hub's gpt2 stores them."""
     from safetensors.torch import load_file, save_file
 
-    from parity.tiny import _tokenizer, build_model
+    from parity.reference.tiny import _tokenizer, build_model
 
     build_model(ADAPTERS[family], overrides={**RELEASED.get(family, {}), **(overrides or {})}).save_pretrained(out)
     _tokenizer().save_pretrained(out)
@@ -289,7 +289,7 @@ def test_a_quantizing_option_is_read_back_by_same_weights_and_calibrate(tmp_path
 
 
 def test_a_conversion_is_made_once(tmp_path, released):
-    from parity.candidates.engines import cache_root
+    from parity.ports.engines import cache_root
 
     _check(released("llama"), released("llama"), tmp_path / "a.json")
     made = sorted((cache_root() / "mlx").iterdir())

@@ -20,18 +20,19 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import parity
-from parity import bugs, names
+from parity.diagnosis import bugs
+from parity import names
 from parity.checker.judge import merge
-from parity.inputs import select_inputs
+from parity.checkpoint.inputs import select_inputs
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
 from parity.compare import Tolerance
 from parity.dumps import write_dump
-from parity.executor.model import NeutralModel
+from parity.neutral.executor.model import NeutralModel
 from parity.checker.record import record
-from parity.neutral import convert
-from parity.manifest import load
-from parity.onnx_export import export
+from parity.neutral.converter import convert
+from parity.neutral.manifest import load
+from parity.ports.onnx.export import export
 from parity.report import PointResult, Report
 from parity.rope import half_permutation
 from parity.testing import assert_parity
@@ -220,7 +221,7 @@ def test_the_diagnosis_reads_the_prompt_that_failed(world, tmp_path):
 
 def test_adapters_reach_a_hugging_face_candidate_and_the_diagnosis(tmp_path):
     from parity.adapter import load_all
-    from parity.tiny import make_tiny
+    from parity.reference.tiny import make_tiny
 
     adapters = FIXTURES / "adapters"
     src = make_tiny(load_all([adapters])["helium"], tmp_path / "helium")

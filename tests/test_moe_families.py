@@ -21,14 +21,14 @@ from safetensors.torch import load_file, save_file
 
 import parity
 from parity.adapter import recognise, resolve
-from parity.capture import run_and_capture
+from parity.reference.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.executor.model import NeutralModel
-from parity.executor.moe import moe, route
-from parity.neutral import convert
-from parity.manifest import load
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.executor.moe import moe, route
+from parity.neutral.converter import convert
+from parity.neutral.manifest import load
 
-from .conftest import ADAPTERS, FIXTURES, real_config
+from tests.conftest import ADAPTERS, FIXTURES, real_config
 
 MOE_FAMILIES = ["qwen3_moe", "mixtral"]
 PROMPT = torch.tensor([[(11 * k + 5) % 256 for k in range(48)]])

@@ -1,8 +1,8 @@
-"""The reference executor's MoE (parity/executor/moe.py) and MLA (parity/executor/mla.py) against transformers' own
+"""The reference executor's MoE (parity/neutral/executor/moe.py) and MLA (parity/neutral/executor/mla.py) against transformers' own
 modules: DeepSeek-V3's self_attn and MoE mlp, Gemma 4's router + experts, in float32 and bfloat16.
 
 Weights reach the executor the way an engine would get them: the model is saved, read back through the adapter's
-tensor map (parity.checkpoint.open_checkpoint) and turned into neutral tensors (parity.neutral.to_neutral); the
+tensor map (parity.checkpoint.open_checkpoint) and turned into neutral tensors (parity.neutral.converter.to_neutral); the
 executor's spec is built from the adapter's resolved settings.
 """
 
@@ -13,14 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from parity.checkpoint import open_checkpoint
-from parity.executor import mla
-from parity.executor.mla import mla_attention
-from parity.executor.moe import moe, route
-from parity.executor.model import mla_spec
-from parity.neutral import layer_manifest, to_neutral
-from parity.tiny import build_model
+from parity.neutral.executor import mla
+from parity.neutral.executor.mla import mla_attention
+from parity.neutral.executor.moe import moe, route
+from parity.neutral.executor.model import mla_spec
+from parity.neutral.converter import layer_manifest, to_neutral
+from parity.reference.tiny import build_model
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 # rel_l2 bounds. float32: both sides run the same ops in the same order; only kernel summation order differs
 # (measured: 0 for MLA, <= 7e-8 for the MoE, where transformers' grouped_mm kernel sums differently from F.linear).

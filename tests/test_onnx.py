@@ -24,16 +24,16 @@ import torch
 from click.testing import CliRunner
 
 import parity
-from parity import onnx_export
-from parity import onnx_graph
+from parity.ports.onnx import export as onnx_export
+from parity.ports.onnx import graph as onnx_graph
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
-from parity.executor.model import NeutralModel
-from parity.neutral import convert
-from parity.manifest import load
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.converter import convert
+from parity.neutral.manifest import load
 
-from . import onnx_helpers
-from .conftest import FAMILIES
+from tests import onnx_helpers
+from tests.conftest import FAMILIES
 
 FOREIGN = ["llama", "qwen3", "gemma2", "bert"]
 
@@ -89,7 +89,7 @@ def test_the_exported_file(tiny_dir, exported, tmp_path):
     onnx.checker.check_model(str(path), full_check=True)
     model = onnx.load(str(path))
     meta = {p.key: p.value for p in model.metadata_props}
-    manifest = json.loads(meta["parity.manifest"])
+    manifest = json.loads(meta["parity.neutral.manifest"])
     assert meta["parity.format"] == "parity-onnx" and manifest["source"]["family"] == "bert"
     assert "model.safetensors" in manifest["source"]["files"]
     assert all(len(h) == 64 for h in manifest["source"]["files"].values())  # sha256 of every source file

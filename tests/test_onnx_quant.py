@@ -1,5 +1,5 @@
-"""ONNX exports quantized by onnxruntime (parity convert --onnx-quant, parity/onnx_quantize.py), judged with
---same-weights at onnxruntime's own arithmetic (parity/onnx_weights.py, parity/ort_arithmetic.py).
+"""ONNX exports quantized by onnxruntime (parity convert --onnx-quant, parity/ports/onnx/quantize.py), judged with
+--same-weights at onnxruntime's own arithmetic (parity/ports/onnx/weights.py, parity/reference/arithmetic/ort.py).
 
 Measured on this machine (x86 with AVX-512 VNNI, onnxruntime 1.32.0), the 64-token default prompt: each
 projection of onnxruntime's own input, emulated, equals onnxruntime's output bit for bit (rel_l2 0) in all three
@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from parity.cli import cli
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 pytest.importorskip("onnxruntime.quantization")
 
@@ -35,8 +35,8 @@ def _cli(*args):
 def made(tmp_path_factory):
     """made(family, mode, inject=None): the tiny checkpoint, and its export quantized by onnxruntime (the float32
     export is made once per family and twin; int8-dynamic through the CLI, the others from that export)."""
-    from parity.onnx_quantize import _default_ids, quantize_graph
-    from parity.tiny import build_model
+    from parity.ports.onnx.quantize import _default_ids, quantize_graph
+    from parity.reference.tiny import build_model
 
     root = tmp_path_factory.mktemp("onnx-quant")
     done: dict = {}
@@ -113,8 +113,8 @@ def test_one_projection_is_exact_on_onnxruntimes_own_input(made, mode):
     """Each projection's input and output read out of onnxruntime: the emulation gives its output exactly."""
     import onnxruntime as ort
 
-    from parity.onnx_weights import _Graph, _matmul
-    from parity.ort_arithmetic import _projection
+    from parity.ports.onnx.weights import _Graph, _matmul
+    from parity.reference.arithmetic.ort import _projection
 
     _, path = made("llama", mode)
     model, g = onnx.load(str(path)), _Graph(path)
@@ -185,7 +185,7 @@ def test_a_graph_it_cannot_read_back_is_refused(made, tmp_path):
 
     from onnxruntime import quantization as q
 
-    from parity.onnx_quantize import _Prompt, _default_ids, _weight_matmuls, fold_transposes
+    from parity.ports.onnx.quantize import _Prompt, _default_ids, _weight_matmuls, fold_transposes
 
     ckpt, qdq = made("llama", "qdq")
     model = onnx.load(str(qdq.with_name("llama-float-correct.onnx")))

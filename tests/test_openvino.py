@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from parity.candidates.openvino import conversions
 from parity.cli import cli
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 pytest.importorskip("openvino")
 

@@ -1,6 +1,6 @@
 """Operation-level points (docs/ops.md) from the engine kinds that run a graph or a model of their own: ONNX
 (parity's own export with its ops as outputs; a torch.onnx export of transformers' model, its ops found by module
-path and by its attention's Softmax: parity.graph_ops), OpenVINO (transformers' model converted by
+path and by its attention's Softmax: parity.ports.graph_ops), OpenVINO (transformers' model converted by
 openvino.convert_model: module paths, and the inputs of its ScaledDotProductAttention) and mlx-lm (its modules
 wrapped; q_rope and k_rope from the queries and keys it hands scaled_dot_product_attention).
 
@@ -108,9 +108,9 @@ def onnx_files(tiny_dir, tmp_path_factory):
     torch.onnx's export of the edited llama ("llama-k"), made two at a time in worker processes."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    from parity.onnx_export import export
+    from parity.ports.onnx.export import export
 
-    from .onnx_helpers import export_foreign
+    from tests.onnx_helpers import export_foreign
 
     root = tmp_path_factory.mktemp("ops-onnx")
     sources = {f: tiny_dir(f) for f in FAMILIES}
@@ -166,7 +166,7 @@ def mlx_tiny(tmp_path_factory):
     """mlx_tiny(family): the tiny checkpoint configured as released models are (tests/test_mlx.py: what mlx-lm
     implements), "llama-k" the edited llama."""
     pytest.importorskip("mlx_lm")
-    from .test_mlx import write_tiny
+    from tests.test_mlx import write_tiny
 
     root = tmp_path_factory.mktemp("ops-mlx")
     made: dict[str, Path] = {}

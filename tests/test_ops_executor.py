@@ -1,4 +1,4 @@
-"""The executor's operation-level points (docs/ops.md) against transformers' (the adapters' [ops], parity.capture):
+"""The executor's operation-level points (docs/ops.md) against transformers' (the adapters' [ops], parity.reference.capture):
 the same ops per layer, in the same layouts, within float32 noise; q/k rows back in the source's order when the
 conversion restyled RoPE; nothing extra when ops are off."""
 
@@ -9,13 +9,13 @@ import torch
 import transformers
 
 from parity import names
-from parity.capture import run_and_capture
+from parity.reference.capture import run_and_capture
 from parity.checkpoint import open_checkpoint
-from parity.executor.model import NeutralModel
-from parity.manifest import load
-from parity.neutral import convert
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.manifest import load
+from parity.neutral.converter import convert
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 # long enough to cross every tiny checkpoint's sliding window (8 or 16) and RoPE scaling threshold
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(48)]])

@@ -1,5 +1,5 @@
-"""Operation-level points (docs/ops.md) out of llama.cpp's graph (parity.gguf_ops): on tiny float32 GGUFs written by
-`parity convert --to gguf`, every op llama.cpp exposes matches transformers' (the adapter's [ops], parity.capture)
+"""Operation-level points (docs/ops.md) out of llama.cpp's graph (parity.ports.gguf.ops): on tiny float32 GGUFs written by
+`parity convert --to gguf`, every op llama.cpp exposes matches transformers' (the adapter's [ops], parity.reference.capture)
 at float32 noise, in the layout docs/ops.md gives; q/k rows that llama.cpp's "llama" kernel wants permuted come back
 in the checkpoint's order, so that a file whose rows were not permuted diverges at attn.q.
 
@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from parity import names
 from parity.cli import cli
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
@@ -45,7 +45,7 @@ def _cli(*args):
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """made(family): (checkpoint directory, its float32 GGUF), built once."""
-    from parity.tiny import build_model
+    from parity.reference.tiny import build_model
 
     root = tmp_path_factory.mktemp("ops_gguf")
     done: dict[str, tuple[Path, Path]] = {}
@@ -84,7 +84,7 @@ def _candidate(reference: Path, gguf: Path, ops: bool):
 def _reference(ckpt, path: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    from parity.capture import run_and_capture
+    from parity.reference.capture import run_and_capture
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return run_and_capture(model, ckpt.resolved.ops, input_ids=_ids())

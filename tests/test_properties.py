@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parity.adapter import recognise, resolve
-from parity.inspection import _ranges
-from parity.tiny import tiny_config
+from parity.checkpoint.inspection import _ranges
+from parity.reference.tiny import tiny_config
 
-from .conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 
 
 @st.composite

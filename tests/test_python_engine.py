@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from parity.cli import cli
 
-from .conftest import FIXTURES
+from tests.conftest import FIXTURES
 
 ENGINE = FIXTURES / "transformer_lens_engine.py"
 

@@ -15,17 +15,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import parity
-from parity import dumps, shards
+from parity import dumps
+from parity.storage import shards
 from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import open_checkpoint, read_config
 from parity.errors import ParityError
-from parity.golden import open_golden
-from parity.manifest import load, read_manifest
+from parity.reference.golden import open_golden
+from parity.neutral.manifest import load, read_manifest
 from parity.candidates import Candidate, Notes
-from parity.models import Models
+from parity.reference.models import Models
 
-from .bad_inputs import GOLDEN, build, onnx_model, safetensors_bytes, sentinel
-from .conftest import FIXTURES
+from tests.bad_inputs import GOLDEN, build, onnx_model, safetensors_bytes, sentinel
+from tests.conftest import FIXTURES
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +377,7 @@ def test_the_files_must_hold_what_the_manifest_states(neutral):
 
 
 def test_families_with_mla_moe_and_per_layer_inputs_load(tiny_dir, tmp_path):
-    from parity.neutral import convert
+    from parity.neutral.converter import convert
 
     for family in ("deepseek_v3", "gemma4", "bert"):
         manifest, tensors = load(convert(tiny_dir(family), tmp_path / family) and tmp_path / family)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from parity import bugs, selftest
+from parity.diagnosis import bugs
+from parity.cli import selftest
 from parity.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ def replace_block(text: str, name: str, content: str) -> str:
 
 
 def bug_table() -> str:
-    """The catalog as README.md shows it: parity/bugs.py is the one source."""
+    """The catalog as README.md shows it: parity/diagnosis/bugs.py is the one source."""
     return "\n".join(["| id | the mistake | shows | where it happened |", "|---|---|---|---|"] +
                      [f"| `{b.id}` | {b.mistake} | {b.shows} | {b.seen_in} |" for b in bugs.CATALOG])
 
@@ -87,9 +88,9 @@ CITATIONS = {row[0]: (row[1], row[2]) for row in cells(
     re.search(r"^\| bug id .*?(?=\n\n|\Z)", (FIXTURES / "citations.md").read_text(), re.S | re.M)[0])}
 
 
-@pytest.mark.parametrize("source", ["parity/bugs.py", "README.md"])
+@pytest.mark.parametrize("source", ["parity/diagnosis/bugs.py", "README.md"])
 def test_where_it_happened_cites_only_verified_instances(source):
-    seen = ({b.id: b.seen_in for b in bugs.CATALOG} if source == "parity/bugs.py"
+    seen = ({b.id: b.seen_in for b in bugs.CATALOG} if source == "parity/diagnosis/bugs.py"
             else {row[0].strip("`"): row[3] for row in cells(block(README.read_text(), "bugs"))})
     assert set(seen) == set(CITATIONS) == set(bugs.BY_ID)
     for bug_id, text in seen.items():

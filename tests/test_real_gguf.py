@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from parity.cli import cli
 
-from .gguf_twins import write_twin
+from tests.gguf_twins import write_twin
 
 pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
@@ -41,7 +41,7 @@ def test_llama_cpp_matmuls_are_reproduced_on_their_own_inputs():
     import torch
 
     from parity.candidates.gguf import GGUFRun, _read
-    from parity.ggml import ACTIVATIONS, round_activations
+    from parity.reference.arithmetic.ggml import ACTIVATIONS, round_activations
 
     got: dict[str, torch.Tensor] = {}
 

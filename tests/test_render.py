@@ -10,7 +10,8 @@ import xml.etree.ElementTree as ET
 import pytest
 from rich.console import Console
 
-from parity import render, render_facts, render_html
+from parity import render
+from parity.render import facts as render_facts, html as render_html
 from parity.errors import ParityError
 from parity.names import capture_names
 from parity.report import PointResult, Report, Tolerance

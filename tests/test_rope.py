@@ -1,4 +1,4 @@
-"""parity.rope (the frequencies, the permutations) and parity.executor.rope (the rotation) against transformers' own
+"""parity.rope (the frequencies, the permutations) and parity.neutral.executor.rope (the rotation) against transformers' own
 rotary embeddings, layer by layer.
 
 For every RoPE family's tiny config, every real config in fixtures/configs and a set of scaling variants, the
@@ -20,10 +20,10 @@ import transformers
 
 from parity import rope as M
 from parity.adapter import recognise, resolve, text_config
-from parity.executor import rope as R
-from parity.tiny import tiny_config
+from parity.neutral.executor import rope as R
+from parity.reference.tiny import tiny_config
 
-from .conftest import ADAPTERS, FIXTURES
+from tests.conftest import ADAPTERS, FIXTURES
 
 CONFIGS = sorted(p.name for p in (FIXTURES / "configs").glob("*.json"))
 

@@ -13,7 +13,7 @@ from parity.checker.plan import Span, parse_layers
 from parity.cli import cli
 from parity.errors import ParityError
 from parity.checker.record import record
-from parity.neutral import convert
+from parity.neutral.converter import convert
 
 # a mistake in layer 0 only: gemma2's tiny model alternates a sliding layer (0) with a global one (1)
 BUG = "sliding-window-ignored"
@@ -74,7 +74,7 @@ def test_bad_slices_are_refused(gemma2):
 def test_a_slice_runs_only_its_layers(gemma2, monkeypatch):
     ckpt, neutral, _ = gemma2
     ran: list[int] = []
-    from parity.executor.model import NeutralModel
+    from parity.neutral.executor.model import NeutralModel
 
     original = NeutralModel.layer
 

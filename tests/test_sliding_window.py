@@ -10,7 +10,7 @@ import transformers
 
 from parity.adapter import recognise, resolve
 
-from .conftest import ADAPTERS, FIXTURES
+from tests.conftest import ADAPTERS, FIXTURES
 
 BASES = {"qwen2": "qwen2.5-0.5b.json", "qwen3": "qwen3-8b.json"}
 CASES = {

@@ -161,7 +161,7 @@ def test_the_reference_logits_are_on_disk_before_the_candidate_computes_its_own(
     candidate holds its own: the executor's head waits for the write."""
     import time
 
-    from parity.executor.model import NeutralModel
+    from parity.neutral.executor.model import NeutralModel
 
     events = []
     write, head = prefill.Spill._write_later, NeutralModel.head

@@ -1,4 +1,4 @@
-"""Layer streaming (parity.lazy): the same numbers as the whole models, one layer of weights at a time.
+"""Layer streaming (parity.storage.lazy): the same numbers as the whole models, one layer of weights at a time.
 
 The streamed reference is transformers' own model, so it must give transformers' own logits bit for bit;
 the streamed executor must give the executor's. While a streamed model runs, at most one decoder layer
@@ -12,17 +12,19 @@ import pytest
 import torch
 import transformers
 
-from parity import candidates, lazy, models
+from parity import candidates
+from parity.storage import lazy
+from parity.reference import models
 from parity.checker import prefill
 from parity.checker import run as runner
 from parity.candidates import neutral as neutral_kind
-from parity.inputs import make_inputs
+from parity.checkpoint.inputs import make_inputs
 from parity.checkpoint import open_checkpoint
 from parity.errors import ParityError
-from parity.executor.model import NeutralModel
-from parity.manifest import load
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.manifest import load
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 
 def _logits(out):

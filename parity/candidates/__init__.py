@@ -11,6 +11,7 @@ A kind is one module of this package that defines::
 
 and optionally::
 
+    TAKES = "a GGUF file (.gguf)"                  # what a path of this kind is (for the error no kind takes it)
     ISOLATES = False                                # can be fed the reference's layer inputs (feed)
     EXPLICIT = False                                # taken only when named: --candidate KIND:PATH (an engine that
                                                     # runs a Hugging Face directory its own way)
@@ -33,6 +34,8 @@ and optionally::
                                                     # write a reference holding its own weights (--same-weights;
                                                     # --calibrate of a quantized candidate): those of the
                                                     # conversion the engine options ask for, as the runner's
+    def arithmetic(out) -> object | None            # how its engine computes, as same_weights saved it in out
+                                                    # (parity.reference.arithmetic); None: float32 as transformers
 
 and one line in KINDS below (ENGINES: the kinds taken only when named). The check (parity.checker) depends only on this protocol: it never imports a kind's
 module, which is loaded on first use (an engine's Python bindings are imported only when its files are checked).
@@ -84,7 +87,7 @@ class Notes:
 class Candidate:
     """A candidate as its kind's runner sees it."""
 
-    models: Any                 # parity.models.Models: loaded models, devices, streaming
+    models: Any                 # parity.reference.models.Models: loaded models, devices, streaming
     path: Path
     dtype: Any                  # torch.dtype the side computes in
     ckpt: Any                   # the reference's parity.checkpoint.Checkpoint (config, adapter)
@@ -110,6 +113,8 @@ class Kind:
     make_decoder: Callable | None = None
     same_weights: Callable | None = None
     check_options: Callable | None = None
+    arithmetic: Callable | None = None
+    takes: str = ""
 
     @property
     def injects(self) -> bool:
@@ -131,7 +136,8 @@ def kinds() -> dict[str, Kind]:
                                    options + (("engine",) if engine else ()), getattr(m, "EXPLICIT", False),
                                    tuple(getattr(m, "ALIASES", ())), engine, getattr(m, "REQUIRES", None),
                                    *(getattr(m, f, None) for f in ("validate", "shapes", "describe", "check_span",
-                                                                   "make_decoder", "same_weights", "check_options")))
+                                                                   "make_decoder", "same_weights", "check_options",
+                                                                   "arithmetic")), getattr(m, "TAKES", ""))
     return {k.name: k for k in (_loaded[m] for m in KINDS + ENGINES)}
 
 

@@ -3,7 +3,7 @@
 
 PATH is a Hugging Face checkpoint directory, converted by CTranslate2's own converter
 (``ctranslate2.converters.TransformersConverter``, the Python API behind ``ct2-transformers-converter``) into
-parity's conversion cache (parity.candidates.engines.converted), or a directory that converter already wrote
+parity's conversion cache (parity.ports.engines.converted), or a directory that converter already wrote
 (``model.bin``, ``config.json``, ``vocabulary.json``). The conversion's weight type is the check's ``--dtype``
 unless ``--engine-option quantization=...`` says otherwise, so that by default the engine is judged at float32.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ParityError
+from parity.errors import ParityError
 
 KIND = "ctranslate2"
 ALIASES = ("ct2",)
@@ -44,7 +44,7 @@ NOT_COMPARED = ("CTranslate2's API returns the logits only (Generator.forward_ba
 
 
 def _ct2():
-    from .engines import require
+    from parity.ports.engines import require
 
     return require("ctranslate2", "ctranslate2", "CTranslate2")
 
@@ -166,7 +166,7 @@ def model_dir(candidate) -> Path:
 def convert(source: Path, quantization: str) -> Path:
     """``source`` converted by CTranslate2's TransformersConverter at ``quantization``, into the cache."""
     ct2 = _ct2()
-    from .engines import converted
+    from parity.ports.engines import converted
 
     def run(out: Path) -> None:
         import transformers
@@ -429,11 +429,11 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     laid out as the checkpoint stores them (where each one went is found by converting the reference itself at
     float32 with the same converter: its rows are the checkpoint's exactly). Vectors (norms, biases), which
     CTranslate2 does not quantize, keep the checkpoint's own. Returns what the file held, as
-    parity.gguf_weights.read_back does."""
-    from ..checkpoint import stored_tensor_map
-    from ..compare import metrics
-    from ..gguf_weights import write_reference
-    from ..lazy import Dequantizer
+    parity.ports.gguf.weights.read_back does."""
+    from parity.checkpoint import stored_tensor_map
+    from parity.compare import metrics
+    from parity.ports.same_weights import write_reference
+    from parity.storage.lazy import Dequantizer
 
     found = ModelBin(Path(path) / "model.bin")
     layout = ModelBin(convert(ckpt.path, "float32") / "model.bin")

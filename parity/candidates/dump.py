@@ -1,15 +1,16 @@
 """Engine dumps: a safetensors file of capture points an engine wrote, or a directory of a tensor-parallel run's
 rank dumps merged by their declared shard layout (docs/dumps.md; the format is parity.dumps, the merge
-parity.dumps_tp)."""
+parity.dumps.tensor_parallel)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..dumps import FileDump, dump_decoder, dump_runner, is_dump
-from ..dumps_tp import RankDumps, is_rank_dir
+from parity.dumps import FileDump, dump_decoder, dump_runner, is_dump
+from parity.dumps.tensor_parallel import RankDumps, is_rank_dir
 
 KIND = "dump"
+TAKES = "an engine dump (.safetensors, or a directory of rank*.safetensors)"
 
 
 def detect(path: Path) -> bool:

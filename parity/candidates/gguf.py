@@ -5,7 +5,7 @@ callback (``cb_eval`` in the context parameters) sees every tensor the graph com
 code names them (``attn_norm-0``, ``l_out-0``, ``result_norm``, ...). The tensors in POINTS are read back as
 they are computed and emitted under parity's capture-point names; the points llama.cpp does not materialise
 are reported as not compared. With ``options.ops`` (``--points ops``, a drill-down) the operation-level points are
-read from the same graph (parity.gguf_ops: which tensor holds which op, the scores rebuilt from the softmax's input,
+read from the same graph (parity.ports.gguf.ops: which tensor holds which op, the scores rebuilt from the softmax's input,
 scale and mask, q/k rows put back in the reference's order); the reference's ops it lacks are named in a warning.
 """
 
@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ParityError
+from parity.errors import ParityError
 
 KIND = "gguf"
+TAKES = "a GGUF file (.gguf)"
 
 # llama.cpp graph tensor -> capture point ({i}: the layer). llama.cpp names the MLP's output "ffn_out" and then
 # the residual sum after it "ffn_out" again: the first of the two is the MLP's output.
@@ -103,7 +104,7 @@ def _read(lib, t: int) -> torch.Tensor | None:
 
 
 class _Node:
-    """A graph tensor as parity.gguf_ops reads it (its Node protocol): name, op, sources, op parameters."""
+    """A graph tensor as parity.ports.gguf.ops reads it (its Node protocol): name, op, sources, op parameters."""
 
     def __init__(self, lib, address: int, src_ok: bool, name: str | None = None):
         self.lib, self.address, self.src_ok = lib, address, src_ok
@@ -155,7 +156,7 @@ def _layout_known(lib) -> bool:
 
 class GGUFRun:
     """One llama.cpp model and context: ``run(ids)`` -> {capture point: tensor [1, S, width]}; with ``ops``, the
-    operation-level points too (parity.gguf_ops), q/k rows in the order of the reference ``resolved``."""
+    operation-level points too (parity.ports.gguf.ops), q/k rows in the order of the reference ``resolved``."""
 
     def __init__(self, path: Path, n_tokens: int, points: dict[str, str] | None = None, ops: bool = False,
                  resolved=None):
@@ -185,7 +186,7 @@ class GGUFRun:
         self.src_ok = _layout_known(self.lib)
         self.ops = None
         if ops:
-            from ..gguf_ops import OpCapture, row_order
+            from parity.ports.gguf.ops import OpCapture, row_order
 
             self.ops = OpCapture(row_order(resolved, llama_cpp.llama_model_rope_type(self.model)))
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
@@ -289,8 +290,8 @@ class GGUFRun:
 
 
 def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dict:
-    """--same-weights: the file's own weights, and llama.cpp's arithmetic, as a reference (parity.gguf_weights)."""
-    from ..gguf_weights import read_back
+    """--same-weights: the file's own weights, and llama.cpp's arithmetic, as a reference (parity.ports.gguf.weights)."""
+    from parity.ports.gguf.weights import read_back
 
     return read_back(ckpt, Path(path), Path(out))
 
@@ -298,7 +299,7 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dic
 def describe(path: Path, engine: dict | None = None) -> dict:
     """What the report's candidate entry adds: how many tensors the file holds of each GGML type (its header only,
     checked: a malformed file is refused in one line; nothing is dequantized)."""
-    from ..gguf_file import header_types
+    from parity.ports.gguf.file import header_types
 
     types: dict[str, int] = {}
     for kind, _, _ in header_types(Path(path)).values():
@@ -369,7 +370,7 @@ def _note_ops(candidate, engine: GGUFRun, captured: dict) -> None:
     """Warn of the reference's ops llama.cpp's graph did not give (and of what it said while reading them)."""
     if engine.ops is None:
         return
-    from ..gguf_ops import missing
+    from parity.ports.gguf.ops import missing
 
     for text in engine.ops.notes:
         candidate.notes.warn(f"llama.cpp: {text}")
@@ -404,13 +405,20 @@ def _compare_tokenization(notes, ckpt, engine: GGUFRun, ids: list[int]) -> None:
 
 
 def _order(name: str):
-    from .. import names
+    from parity import names
 
     return names.point_order(name)
 
 
 def validate(path: Path, adapter_dirs=()) -> None:
     """Refuse, before any model loads, a malformed GGUF file or one of an architecture no adapter covers."""
-    from .. import gguf_file
+    from parity.ports.gguf import file as gguf_file
 
     gguf_file.validate(Path(path), adapter_dirs)
+
+
+def arithmetic(out: Path):
+    """llama.cpp's CPU arithmetic (parity.reference.arithmetic.ggml) that same_weights saved in ``out``, or None."""
+    from parity.reference.arithmetic.ggml import Arithmetic
+
+    return Arithmetic.load(Path(out))

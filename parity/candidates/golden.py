@@ -1,4 +1,4 @@
-"""Goldens as candidates: the activations a reference produced once (parity.golden), judged against a reference
+"""Goldens as candidates: the activations a reference produced once (parity.reference.golden), judged against a reference
 like any engine's output, so a golden stands on either side of a check. Against the live checkpoint it was
 recorded from, this is drift seen from the other side (``parity golden verify`` puts the golden on the reference
 side, with its recorded noise); against another checkpoint (a re-save, a merge, a newer transformers' save), it
@@ -10,19 +10,20 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ParityError
+from parity.errors import ParityError
 
 KIND = "golden"
+TAKES = "a golden (golden.json)"
 
 
 def detect(path: Path) -> bool:
-    from ..golden import is_golden
+    from parity.reference.golden import is_golden
 
     return is_golden(Path(path))
 
 
 def validate(path: Path, adapter_dirs=()) -> None:
-    from ..golden import open_golden
+    from parity.reference.golden import open_golden
 
     open_golden(Path(path), adapter_dirs)  # its description, config and every run's files, checked now
 
@@ -40,7 +41,7 @@ def _run_of(golden, ids: torch.Tensor) -> int:
 
 
 def make_runner(candidate, ids: torch.Tensor, feed):
-    from ..golden import open_golden
+    from parity.reference.golden import open_golden
 
     if feed is not None:
         raise ParityError(f"--candidate {candidate.path}: a golden holds one free run and cannot be fed the "
@@ -51,7 +52,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The golden's stored decode steps, after checking it was fed these tokens."""
-    from ..golden import open_golden
+    from parity.reference.golden import open_golden
 
     golden = open_golden(Path(candidate.path), candidate.models.adapter_dirs)
     k = _run_of(golden, ids)

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from ..capture import ATTENTION
-from ..checkpoint import inventory, open_checkpoint, refuse_mismatched, weight_files
-from ..errors import ParityError
-from ..models import hf_decoder, hf_runner
+from parity.reference.capture import ATTENTION
+from parity.checkpoint import inventory, open_checkpoint, refuse_mismatched, weight_files
+from parity.errors import ParityError
+from parity.reference.models import hf_decoder, hf_runner
 
 KIND = "transformers"
+TAKES = "a Hugging Face checkpoint (config.json)"
 ALIASES = ("hf", "huggingface")
 ISOLATES = True     # pre-hooks replace each layer's input
 OPTIONS = ("last", "attn", "compile")  # a slice stops after its last layer; --candidate-attn, --compile

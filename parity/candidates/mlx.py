@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ParityError
-from . import engines
+from parity.errors import ParityError
+from parity.ports import engines
 
 KIND = "mlx"
 EXPLICIT = True                 # a Hugging Face directory is also a transformers candidate: mlx only when named
@@ -64,7 +64,7 @@ def _version() -> str:
 
 def _header(file: Path):
     """A safetensors file's checked header (names, dtypes, shapes, metadata), no tensor read."""
-    from ..shards import read_header
+    from parity.storage.shards import read_header
 
     return read_header(Path(file))
 
@@ -299,7 +299,7 @@ class Taps:
         import mlx.core as mx
         import numpy as np
 
-        from ..graph_ops import as_op
+        from parity.ports.graph_ops import as_op
 
         arrays = {k: v for k, v in self.seen.items() if isinstance(v, mx.array)}
         mx.eval(*arrays.values())
@@ -370,7 +370,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
     def run(emit) -> None:
         import mlx.core as mx
 
-        from ..graph_ops import missing_note
+        from parity.ports.graph_ops import missing_note
 
         with _LOCK:
             model, taps = _opened(candidate, ops=True)
@@ -433,9 +433,9 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
-    from ..ggml import Arithmetic
-    from ..gguf_weights import write_reference
-    from ..lazy import Dequantizer
+    from parity.reference.arithmetic.ggml import Arithmetic
+    from parity.ports.same_weights import write_reference
+    from parity.storage.lazy import Dequantizer
 
     directory = model_dir(Path(path), conversion_settings(Path(path), engine))
     with _LOCK:
@@ -474,7 +474,7 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
 
 def _weights(ckpt) -> list[str]:
     """The checkpoint's weights as stored (the adapter's tensor map; buffers and ignored tensors left out)."""
-    from ..checkpoint import stored_tensor_map
+    from parity.checkpoint import stored_tensor_map
 
     stored = stored_tensor_map(ckpt.resolved, ckpt.check())
     return [name for name in ckpt.tensors if name in stored]
@@ -489,7 +489,7 @@ def _names(name: str, prefix: str) -> list[str]:
 def _oriented(x: torch.Tensor, original: torch.Tensor) -> tuple[torch.Tensor | None, float]:
     """``x`` laid out as the checkpoint stores it (mlx-lm transposes GPT-2's Conv1D matrices as it loads them):
     as held, or transposed, whichever is nearer the checkpoint's; None where neither shape fits."""
-    from ..compare import metrics
+    from parity.compare import metrics
 
     options = [x] + ([x.T] if x.dim() == 2 and x.shape[0] != x.shape[1] else [])
     fits = [(metrics(y.float(), original)["rel_l2"], k) for k, y in enumerate(options) if y.shape == original.shape]
@@ -542,6 +542,13 @@ def shapes(path: Path, adapter_dirs=()) -> list:
 
 
 def _order(name: str):
-    from .. import names
+    from parity import names
 
     return names.point_order(name)
+
+
+def arithmetic(out: Path):
+    """the arithmetic same_weights saved in ``out`` (mlx's float32 matmuls on the dequantized weights), or None."""
+    from parity.reference.arithmetic.ggml import Arithmetic
+
+    return Arithmetic.load(Path(out))

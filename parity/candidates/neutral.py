@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ParityError
-from ..models import Emit, Models
+from parity.errors import ParityError
+from parity.reference.models import Emit, Models
 
 KIND = "neutral"
+TAKES = "a neutral directory (manifest.json)"
 ISOLATES = True                    # the executor takes each layer's input from the reference
 OPTIONS = ("inject", "layers")     # --inject: the executor runs a catalogued mistake; --layers: a slice
 
@@ -24,9 +25,9 @@ def load(models: Models, path: Path, dtype: torch.dtype, inject: str | None = No
     """The executor's model for a neutral directory, loaded once per check (and per injected mistake).
     ``source_rope_style``: the RoPE style of the checkpoint it was converted from (the reference's), in whose q/k
     row order its operation-level points are emitted."""
-    from .. import bugs
-    from ..executor.model import NeutralModel
-    from ..manifest import load as read
+    from parity.diagnosis import bugs
+    from parity.neutral.executor.model import NeutralModel
+    from parity.neutral.manifest import load as read
 
     key = (KIND, str(path), dtype, inject)
     if key not in models.loaded:
@@ -60,7 +61,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 
 
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
-    """The prompt, then one token per step through the executor's KV cache (parity.executor.cache), following
+    """The prompt, then one token per step through the executor's KV cache (parity.neutral.executor.cache), following
     the manifest's cache policy (an injected decode bug changes it)."""
     model = _model(candidate)
 
@@ -76,14 +77,14 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
 
 def shapes(path: Path, adapter_dirs=()) -> list:
     """The shapes of the weights parity will hold to run it (the check decides from them whether to stream)."""
-    from ..manifest import read_manifest
+    from parity.neutral.manifest import read_manifest
 
     return [info["shape"] for info in read_manifest(path)["tensors"].values()]
 
 
 def describe(path: Path, engine: dict | None = None) -> dict:
     """What the report's candidate entry adds: how a quantized source was dequantized by convert."""
-    from ..manifest import read_manifest
+    from parity.neutral.manifest import read_manifest
 
     q = read_manifest(path)["source"].get("quantization")
     return {} if q is None else {"quantization": q}
@@ -92,7 +93,7 @@ def describe(path: Path, engine: dict | None = None) -> dict:
 def check_span(path: Path, start: int, stop: int) -> None:
     """A slice --layers START:STOP starts from the reference's input to layer START: a layer of the slice that
     reuses the keys and values of an earlier layer outside it cannot run."""
-    from ..manifest import read_manifest
+    from parity.neutral.manifest import read_manifest
 
     for i, layer in enumerate(read_manifest(path)["layers"][start:stop], start):
         source = layer["attention"].get("kv_shared_from")

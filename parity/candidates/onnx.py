@@ -2,7 +2,7 @@
 
 The graph is fed whatever inputs it declares (``input_ids``, ``attention_mask`` = ones,
 ``position_ids`` = arange, ``token_type_ids`` = zeros, ``cache_position``, and empty past key/values
-for graphs exported with a cache). Which graph values are capture points is parity.onnx_graph's to find (its
+for graphs exported with a cache). Which graph values are capture points is parity.ports.onnx.graph's to find (its
 docstring gives the order of precedence: --map, names, the final output, module paths, structure).
 
 Matched values are added to the graph's outputs; each is checked at run time to be [batch, sequence,
@@ -10,7 +10,7 @@ width] before it is compared. The report lists every point with the value it was
 (``report.matching``); points that could not be matched are not compared, and say why.
 
 With ``options.ops`` (``--points ops``, a drill-down) the reference's operation-level points are read too, where the
-graph has them (parity.graph_ops: outputs named as the ops, as ``parity convert --to onnx`` writes them with op
+graph has them (parity.ports.graph_ops: outputs named as the ops, as ``parity convert --to onnx`` writes them with op
 outputs; else by module path and around each attention's Softmax); the ops it lacks are named in a warning. A run
 computes only the outputs it reads.
 """
@@ -23,13 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import names
-from ..graph_ops import match_ops, missing_note, read_ops, wanted_ops
-from ..onnx_graph import Graph, Matching, hidden_width, match, vocabulary
-from ..checkpoint import inside as in_directory
-from ..errors import ParityError
+from parity import names
+from parity.ports.graph_ops import match_ops, missing_note, read_ops, wanted_ops
+from parity.ports.onnx.graph import Graph, Matching, hidden_width, match, vocabulary
+from parity.checkpoint import inside as in_directory
+from parity.errors import ParityError
 
 KIND = "onnx"
+TAKES = "an ONNX graph (.onnx)"
 OPTIONS = ("layerwise", "provider", "map")  # the graph values matched to points, the provider that runs them
 def onnx_file(path: Path) -> Path | None:
     """The .onnx file a candidate path names: the file itself, or a directory's single model.onnx."""
@@ -314,7 +315,7 @@ def _nbytes(tensor) -> int | None:
 
 def _warn_about(matching: Matching, metadata: dict, ckpt, dtype: str | None, g: Graph) -> None:
     if matching.own_export:
-        manifest = json.loads(metadata.get("parity.manifest", "{}"))
+        manifest = json.loads(metadata.get("parity.neutral.manifest", "{}"))
         family = manifest.get("source", {}).get("family")
         if family and family != ckpt.resolved.family:
             matching.warnings.append(f"the ONNX model was exported from a {family} checkpoint; the reference is "
@@ -342,8 +343,8 @@ def _shorten(items: list[str], n: int = 6) -> str:
 
 
 def describe(path: Path, engine: dict | None = None) -> dict:
-    """What the report's candidate entry adds: the weights by how the graph stores them (parity.onnx_weights)."""
-    from ..onnx_weights import tensor_types
+    """What the report's candidate entry adds: the weights by how the graph stores them (parity.ports.onnx.weights)."""
+    from parity.ports.onnx.weights import tensor_types
 
     file = onnx_file(Path(path))
     # open_model refuses an unreadable file in one line, before anything else reads it
@@ -352,8 +353,8 @@ def describe(path: Path, engine: dict | None = None) -> dict:
 
 def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dict:
     """--same-weights: the graph's own weights (dequantized where onnxruntime quantized them), and onnxruntime's
-    arithmetic, as a reference (parity.onnx_weights)."""
-    from ..onnx_weights import read_back
+    arithmetic, as a reference (parity.ports.onnx.weights)."""
+    from parity.ports.onnx.weights import read_back
 
     file = onnx_file(Path(path))
     if file is None:
@@ -380,7 +381,7 @@ def _warnings(matching: Matching, wanted: list[str], matched: dict, unmatched: d
 
 def make_runner(candidate, ids: torch.Tensor, feed):
     """Run the ONNX graph once and emit every capture point that could be matched."""
-    from ..names import compared_points
+    from parity.names import compared_points
 
     if feed is not None:
         raise ParityError(f"--candidate {candidate.path}: --isolate is not possible for an ONNX graph (its layers cannot be "
@@ -419,7 +420,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The prompt with an empty cache, then one token per step, each fed the ``present.*`` the step before
     returned as its ``past_key_values.*`` (by name) and its position; each step's matched points are emitted."""
-    from ..names import compared_points
+    from parity.names import compared_points
 
     path, ckpt = onnx_file(Path(candidate.path)) or Path(candidate.path), candidate.ckpt
     session, matching = _load(candidate, path, compared_points(ckpt, candidate.options.layerwise))
@@ -442,3 +443,10 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
                     emit(step, point, got)
 
     return run
+
+
+def arithmetic(out: Path):
+    """onnxruntime's arithmetic (parity.reference.arithmetic.ort) that same_weights saved in ``out``, or None."""
+    from parity.reference.arithmetic.ort import OrtArithmetic
+
+    return OrtArithmetic.load(Path(out))

@@ -4,16 +4,16 @@ OpenVINO Runtime on its CPU plugin.
 PATH is an OpenVINO IR (a directory holding ``openvino_model.xml``/``model.xml`` and its ``.bin``, or the
 ``.xml`` itself) or a Hugging Face checkpoint directory, which OpenVINO's own converter turns into an IR once
 (``openvino.convert_model`` on transformers' model, traced with example inputs; kept in the engines' cache, see
-parity.candidates.engines.converted). A causal language model is exported with its KV cache as inputs and
+parity.ports.engines.converted). A causal language model is exported with its KV cache as inputs and
 outputs and made stateful by OpenVINO's own transformation, as OpenVINO serves LLMs: the prompt and each decode
 step run through the model's own cache (its states). ``--engine-option weights=int8|int4`` compresses the weights
 with NNCF (``nncf.compress_weights``) on the way.
 
 The model runs at ``INFERENCE_PRECISION_HINT=f32`` unless ``--engine-option precision=bf16|f16``: the engine
 checked at its own float32 first. Capture points are read by adding the matched ops' outputs to the model's
-results; which ops they are is parity.openvino_graph's to find (the module paths OpenVINO keeps in op names).
+results; which ops they are is parity.ports.openvino's to find (the module paths OpenVINO keeps in op names).
 With ``options.ops`` (``--points ops``, a drill-down) the reference's operation-level points are read the same way
-(parity.graph_ops): by module path, and q_rope / k_rope from the inputs of the ScaledDotProductAttention op that
+(parity.ports.graph_ops): by module path, and q_rope / k_rope from the inputs of the ScaledDotProductAttention op that
 transformers' attention converts to; its scores and probabilities stay inside that op and are not compared (a
 warning names them).
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import names
-from ..errors import ParityError
-from .engines import converted, require
+from parity import names
+from parity.errors import ParityError
+from parity.ports.engines import converted, require
 
 KIND = "openvino"
 ALIASES = ("ov",)
@@ -79,7 +79,7 @@ def validate(path: Path, adapter_dirs=()) -> None:
     if not (Path(path) / "config.json").is_file():
         raise ParityError(f"--candidate openvino:{path}: neither an OpenVINO IR (openvino_model.xml and .bin) nor a "
                           f"Hugging Face checkpoint directory (config.json)")
-    from ..checkpoint import open_checkpoint, refuse_mismatched
+    from parity.checkpoint import open_checkpoint, refuse_mismatched
 
     refuse_mismatched(open_checkpoint(Path(path), adapter_dirs), "--candidate")
 
@@ -117,8 +117,8 @@ def model_xml(path: Path, adapter_dirs, chosen: dict, source=None) -> Path:
                               f"applies when converting a checkpoint (name its directory instead)")
         return xml
     ov = require("openvino", "openvino", "OpenVINO")
-    from ..checkpoint import open_checkpoint
-    from ..openvino_graph import export
+    from parity.checkpoint import open_checkpoint
+    from parity.ports.openvino import export
 
     source = source if source is not None else open_checkpoint(Path(path), adapter_dirs)
     weights = chosen["weights"]
@@ -137,7 +137,7 @@ class Engine:
 
     def __init__(self, xml: Path, ckpt, chosen: dict, wanted: list[str]):
         ov = require("openvino", "openvino", "OpenVINO")
-        from ..openvino_graph import match_points
+        from parity.ports.openvino import match_points
 
         core = ov.Core()
         try:
@@ -215,7 +215,7 @@ class Engine:
 
     def points(self, values: list[np.ndarray], b: int, s: int, hidden: int, vocab: int):
         """(point, tensor [b, s, width]) for each matched point, or (point, None, why)."""
-        from .onnx import as_point
+        from parity.candidates.onnx import as_point
 
         for point in sorted(self.matching.points, key=names.point_order):
             if point in self.matching.layouts:  # an op: read_ops lays it out
@@ -268,7 +268,7 @@ def _engine(candidate, wanted: list[str]) -> Engine:
 
 
 def _report_matching(candidate, engine: Engine, wanted: list[str], unmatched: dict) -> None:
-    from ..graph_ops import missing_note
+    from parity.ports.graph_ops import missing_note
 
     notes, layerwise = candidate.notes, candidate.options.layerwise
     matched = {p: m for p, m in engine.matching.points.items() if p not in unmatched}
@@ -286,12 +286,12 @@ def _report_matching(candidate, engine: Engine, wanted: list[str], unmatched: di
 
 
 def make_runner(candidate, ids: torch.Tensor, feed):
-    from ..names import compared_points
-    from ..onnx_graph import hidden_width, vocabulary
+    from parity.names import compared_points
+    from parity.ports.onnx.graph import hidden_width, vocabulary
 
     if feed is not None:
         raise ParityError("--isolate: an OpenVINO model runs whole and cannot be fed the reference's layer inputs")
-    from ..graph_ops import read_ops, wanted_ops
+    from parity.ports.graph_ops import read_ops, wanted_ops
 
     ckpt = candidate.ckpt
     wanted = compared_points(ckpt, candidate.options.layerwise) + wanted_ops(ckpt, candidate.options)
@@ -318,8 +318,8 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The prompt, then one token per step through the model's own cache: its states (a stateful IR), which
     OpenVINO keeps between the infer calls of one request."""
-    from ..names import compared_points
-    from ..onnx_graph import hidden_width, vocabulary
+    from parity.names import compared_points
+    from parity.ports.onnx.graph import hidden_width, vocabulary
 
     ckpt = candidate.ckpt
     engine = _engine(candidate, compared_points(ckpt, candidate.options.layerwise))
@@ -362,7 +362,7 @@ def describe(path: Path, engine: dict) -> dict:
 
 def conversions(path: Path) -> dict[str, str]:
     """{weights setting: IR} of this checkpoint's conversions in the cache (those made from its current files)."""
-    from .engines import cache_root, fingerprint
+    from parity.ports.engines import cache_root, fingerprint
 
     found = {}
     source = Path(path).resolve()
@@ -377,7 +377,7 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
     """--same-weights: the IR's own weights (decompressed where NNCF compressed them) as a reference; for a
     checkpoint, those of the IR it is converted into at its --engine-option weights (the runner's, from the same
     cache; converted now if not yet)."""
-    from ..openvino_graph import read_back
+    from parity.ports.openvino import read_back
 
     chosen = checked(engine)
     xml = ir_file(path)
@@ -389,9 +389,16 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
 def _source(ckpt, path: Path):
     """The candidate checkpoint opened as the runner opens it: the reference's own when it is the same directory,
     else with the reference's adapter among the known ones (the adapter directories are not passed here)."""
-    from ..adapter_files import load_all
-    from ..checkpoint import open_checkpoint
+    from parity.adapter.files import load_all
+    from parity.checkpoint import open_checkpoint
 
     if Path(path).resolve() == Path(ckpt.path).resolve():
         return ckpt
     return open_checkpoint(path, adapters={**load_all(), ckpt.adapter.family: ckpt.adapter})
+
+
+def arithmetic(out: Path):
+    """the arithmetic same_weights saved in ``out`` (OpenVINO's decompressed weights, float32), or None."""
+    from parity.reference.arithmetic.ggml import Arithmetic
+
+    return Arithmetic.load(Path(out))

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from ..adapter import ResolvedCapture
-from ..errors import ParityError
+from parity.adapter import ResolvedCapture
+from parity.errors import ParityError
 
 KIND = "python"
 ALIASES = ("python-engine",)
@@ -153,7 +153,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
     run = getattr(module, "forward", None) or (lambda model, ids: model(ids))
 
     def runner(emit) -> None:
-        from ..capture import hooks
+        from parity.reference.capture import hooks
 
         seen: set[str] = set()
 

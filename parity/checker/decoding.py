@@ -1,4 +1,4 @@
-"""``--decode N`` as a check (parity.decode explains the choice of prompt and what is crossed): the reference's
+"""``--decode N`` as a check (parity.reference.decode explains the choice of prompt and what is crossed): the reference's
 steps are computed first, so that the reference can be dropped before the candidate loads (the steps are small,
 the models are not); then the candidate runs the prompt and N single-token steps with its own cache, fed the
 reference's continuation, and each step's points are judged against the reference's at that position."""
@@ -10,15 +10,15 @@ from typing import Callable
 
 import torch
 
-from ..compare import logit_metrics
-from ..decode import crossings
-from ..errors import ParityError
-from ..inputs import check_length
-from ..models import Models
-from ..report import PointResult
-from .judge import Judge
-from .noise import Rounding
-from .plan import Plan
+from parity.compare import logit_metrics
+from parity.reference.decode import crossings
+from parity.errors import ParityError
+from parity.checkpoint.inputs import check_length
+from parity.reference.models import Models
+from parity.report import PointResult
+from parity.checker.judge import Judge
+from parity.checker.noise import Rounding
+from parity.checker.plan import Plan
 
 
 @dataclass

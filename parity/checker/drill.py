@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .. import names, ops
-from ..models import Models
-from ..report import PointResult, Report
-from .plan import Plan, op_points
-from .prefill import PromptCheck
+from parity import names, ops
+from parity.reference.models import Models
+from parity.report import PointResult, Report
+from parity.checker.plan import Plan, op_points
+from parity.checker.prefill import PromptCheck
 
 # What a layer point stands for when it is the first to diverge in a drilled layer (every op before it agreed).
 CLOSES = {

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import names
-from ..compare import Tolerances, judge, metrics
-from ..report import PointResult, Report
+from parity import names
+from parity.compare import Tolerances, judge, metrics
+from parity.report import PointResult, Report
 
 
 class Judge:

@@ -5,11 +5,11 @@ of it and not a guess.
   candidate's dtype); their distance at each point is that point's precision noise.
 - An isolated twin: the same, each of its layers fed the float32 reference's input to that layer (as an isolated
   check feeds the candidate), so that the noise is one layer's, not the accumulation of those before it.
-- Quantization: the twin runs the candidate's own dequantized weights (a quantized GGUF) in float32; its
+- Quantization: the twin runs the candidate's own dequantized weights (a quantized file) in float32; its
   distance is what the file's quantization costs.
 - A golden: each point's noise as recorded, and the storage rounding of its stored activations.
 - An engine's arithmetic: beside a reference that computes as the engine does (--same-weights on a quantized
-  GGUF), the plain reference; their distance is what the engine's rounding costs.
+  file), the plain reference; their distance is what the engine's rounding costs.
 
 Every source answers ``of(run, name, ref) -> (noise or None, rounding)``; parity.compare.Tolerances turns the
 two into a tolerance.
@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import Checkpoint
-from ..compare import ENGINE_MULTIPLE, logit_metrics, metrics
-from ..models import Models, Stream, hf_runner
+from parity.checkpoint import Checkpoint
+from parity.compare import ENGINE_MULTIPLE, logit_metrics, metrics
+from parity.reference.models import Models, Stream, hf_runner
 
 
 class LayerInputs:
@@ -103,8 +103,8 @@ class Twin(NoNoise):
 
 
 class EngineTwin(Twin):
-    """Beside a reference that computes as the candidate's engine does (parity.ggml: a quantized GGUF with
-    --same-weights), the plain one, on the same weights in float32: their distance at each point is what the
+    """Beside a reference that computes as the candidate's engine does (parity.reference.arithmetic: a quantized
+    file with --same-weights), the plain one, on the same weights in float32: their distance at each point is what the
     engine's arithmetic costs there, the noise of the check with --calibrate (the tolerance ENGINE_MULTIPLE times
     it); the candidate's distance to it is reported beside its distance to the emulating one, calibrated or not."""
 

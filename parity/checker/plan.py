@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
-from .. import candidates, names
-from ..candidates import Kind, Options
-from ..compare import Tolerances
-from ..errors import ParityError
-from ..inputs import Inputs
-from ..models import DTYPES, device_count, resolve_device, would_not_fit
-from .sides import CandidateSide, candidate_kind, open_reference
+from parity import candidates, names
+from parity.candidates import Kind, Options
+from parity.compare import Tolerances
+from parity.errors import ParityError
+from parity.checkpoint.inputs import Inputs
+from parity.reference.models import DTYPES, device_count, resolve_device, would_not_fit
+from parity.checker.options import CheckOptions
+from parity.checker.sides import CandidateSide, candidate_kind, open_reference
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ class Plan:
     isolate: bool
     calibrate: bool              # noise measured (a live twin) or recorded (a golden calibrated for dtype)
     quantized_noise: bool        # ... measured as the reference on the candidate's own dequantized weights
-    arithmetic: object           # parity.ggml.Arithmetic the reference computes with (--same-weights), or None
+    arithmetic: object           # how the candidate's engine computes (parity.reference.arithmetic), emulated
+                                 # by a same-weights reference; None: float32
     tolerances: Tolerances
     inputs: tuple[Inputs, ...]
     span: Span
@@ -141,18 +143,17 @@ def _count(name: str, value, what: str) -> None:
         raise ParityError(f"--{name} must be a number of {what} >= 0 (got {value!r})")
 
 
-def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layerwise: bool = False,
-              isolate: bool = False, calibrate: bool = False, tolerance=(), prompt: str | None = None,
-              ids: list[int] | None = None, length: int | None = None, inputs_file: Path | None = None,
-              generate: int = 0, inject: str | None = None, diagnose: bool = True, checkpoint: Path | None = None,
-              adapter_dirs=(), provider: str | None = None, maps=(), attn: str | None = None, compile: bool = False,
-              engine_options=(), stream: bool | None = None,
-              device: str = "cpu", candidate_device: str | None = None, layers: str | None = None,
-              decode: int = 0, arithmetic=None, same_weights: bool = False, points: str = "layers") -> Plan:
+def make_plan(reference: Path, candidate: Path, options: CheckOptions, arithmetic=None) -> Plan:
     """The plan of ``parity check`` for these options (parity.checker.run.check documents them), or the
-    ParityError of the first one that cannot be honoured."""
-    from .. import bugs
+    ParityError of the first one that cannot be honoured. ``arithmetic``: how the candidate's engine computes,
+    which a same-weights reference at ``reference`` emulates (parity.checker.run.check_same_weights)."""
+    from parity.diagnosis import bugs
 
+    o = options
+    dtype, points, tolerance, inject, adapter_dirs = o.dtype, o.points, o.tolerance, o.inject, o.adapter_dirs
+    calibrate, isolate, generate, decode, layers = o.calibrate, o.isolate, o.generate, o.decode, o.layers
+    prompt, ids, inputs_file, length = o.prompt, o.ids, o.inputs_file, o.length
+    checkpoint, stream, device = o.checkpoint, o.stream, o.device
     if dtype not in DTYPES:
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if points not in ("layers", "ops"):
@@ -163,7 +164,7 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
     if inject:
         bugs.get(inject)
     if arithmetic is not None and not arithmetic.rounds:
-        arithmetic = None  # an all-F32 file: llama.cpp computes in float32, as the reference does
+        arithmetic = None  # nothing rounded (an all-F32 file): the engine computes in float32, as the reference
     truth = open_reference(Path(reference), adapter_dirs, arithmetic)
     truth.check_options(dtype=dtype, calibrate=calibrate, isolate=isolate, generate=generate, checkpoint=checkpoint,
                         adapter_dirs=adapter_dirs)
@@ -172,14 +173,15 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
         calibrate = truth.calibrated_for(dtype, isolated=isolate)
     if decode:
         length = _decode_prompt(truth, isolate, layers, decode, prompt, ids, length, inputs_file)
-    inputs = tuple(truth.inputs(prompt=prompt, ids=ids, length=length, inputs_file=inputs_file))
+    inputs = tuple(truth.inputs(prompt=prompt, ids=list(ids) if ids is not None else None, length=length,
+                                inputs_file=inputs_file))
     kind, candidate = candidate_kind(candidate)
     if decode and kind.make_decoder is None:
         raise ParityError(f"--decode: a {kind.name} candidate ({candidate}) cannot be run step by step by parity yet "
                           f"(kinds that decode: {', '.join(k for k, c in candidates.kinds().items() if c.make_decoder)}"
                           f"); drop --decode")
     device = resolve_device(device)
-    candidate_device = resolve_device(candidate_device) if candidate_device else device
+    candidate_device = resolve_device(o.candidate_device) if o.candidate_device else device
     if candidate_device == "auto":  # spreading over GPUs is for transformers models; the executor takes one
         candidate_device = resolve_device("cuda") if device_count() else "cpu"
     if inject and not kind.injects:
@@ -197,30 +199,29 @@ def make_plan(reference: Path, candidate: Path, *, dtype: str = "float32", layer
     if ops and not truth.stored and not op_points(ckpt):
         raise ParityError(f"--points ops: the {ckpt.resolved.family} adapter maps no operation-level points (its "
                           f"[ops] table); drop --points ops")
-    options = _candidate_options(kind, provider=provider, maps=maps, layerwise=layerwise or ops, inject=inject,
-                                 span=span, attn=attn, compile=compile, engine=engine_options, ops=ops)
-    side = CandidateSide(kind, Path(candidate), options, DTYPES[dtype], ckpt)
+    given = _candidate_options(kind, o, span, ops)
+    side = CandidateSide(kind, Path(candidate), given, DTYPES[dtype], ckpt)
     chosen = stream is None
     if chosen:
         shapes = kind.shapes(Path(candidate), adapter_dirs) if kind.shapes is not None else ()
         stream = not truth.stored and would_not_fit(ckpt, dtype, calibrate, device, shapes, candidate_device)
     if kind.check_options is not None:  # e.g. an attention kernel that cannot express the model's softcap
-        kind.check_options(options, ckpt, bool(stream))
+        kind.check_options(given, ckpt, bool(stream))
     # a same-weights reference computes on the file's own weights: its noise is the engine's arithmetic, or, where
     # the engine computes in float32 (nothing to emulate), float32's own noise, as for an unquantized candidate
-    quantized = (calibrate and not truth.stored and not same_weights
-                 and _quantized(kind, Path(candidate), dict(options.engine)))
+    quantized = (calibrate and not truth.stored and not o.same_weights
+                 and _quantized(kind, Path(candidate), dict(given.engine)))
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
     weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
-    return Plan(truth, side, dtype, layerwise or ops, isolate, calibrate, quantized, arithmetic, tolerances, inputs,
-                span, decode, generate, bool(stream), chosen and bool(stream), device, candidate_device, diagnose,
+    return Plan(truth, side, dtype, o.layerwise or ops, isolate, calibrate, quantized, arithmetic, tolerances, inputs,
+                span, decode, generate, bool(stream), chosen and bool(stream), device, candidate_device, o.diagnose,
                 weights, tuple(adapter_dirs), ops)
 
 
 def _decode_prompt(truth, isolate: bool, layers: str | None, n: int, prompt, ids, length, inputs_file) -> int | None:
     """Refuse --decode where it cannot run, each with its fix; the prompt length it chooses when none is given
     (one that makes decoding cross each sliding window)."""
-    from ..decode import decodes, prompt_length
+    from parity.reference.decode import decodes, prompt_length
 
     if not decodes(truth.checkpoint):
         raise ParityError(f"--decode: a {truth.checkpoint.resolved.family} model is not a causal language model (it "
@@ -246,23 +247,21 @@ def _check_span(span: Span, truth, kind: Kind, generate: int, candidate: Path) -
         kind.check_span(candidate, span.start, span.stop)
 
 
-def _candidate_options(kind: Kind, *, provider, maps, layerwise: bool, inject: str | None, span: Span,
-                       attn: str | None = None, compile: bool = False, engine=(), ops: bool = False) -> Options:
-    """The candidate's options, of the fields its kind reads: --provider and --map (ONNX) parsed, --candidate-attn
-    and --compile (transformers), --engine-option checked against its kind's keys; each refused for a kind that
-    does not read it."""
-    if isinstance(maps, dict):
-        maps = [f"{k}={v}" for k, v in maps.items()]
-    if (provider or maps) and "provider" not in kind.options:
-        raise ParityError(f"--provider and --map apply to ONNX candidates; this candidate is {kind.name}")
-    if (attn or compile) and "attn" not in kind.options:
+def _candidate_options(kind: Kind, o: CheckOptions, span: Span, ops: bool) -> Options:
+    """The candidate's options, of the fields its kind reads: --provider and --map parsed, --candidate-attn and
+    --compile, --engine-option checked against its kind's keys; each refused for a kind that does not read it."""
+    if (o.provider or o.maps) and "provider" not in kind.options:
+        readers = ", ".join(k for k, c in candidates.kinds().items() if "provider" in c.options)
+        raise ParityError(f"--provider and --map apply to graph candidates ({readers}); this candidate is {kind.name}")
+    if (o.attn or o.compile) and "attn" not in kind.options:
         raise ParityError(f"--candidate-attn and --compile apply to Hugging Face candidates run by transformers; "
                           f"this candidate is {kind.name}")
-    parsed = _pairs("--map", maps, "POINT=VALUE, e.g. layers.0.out=/model/layers.0/Add_1_output_0")
-    given_engine = engine_options(kind, engine)
-    given = {"layerwise": layerwise, "provider": provider, "map": tuple(sorted(parsed.items())), "inject": inject,
-             "layers": range(span.start, span.stop), "last": span.stop - 1 if span.stop < span.of else None,
-             "attn": attn, "compile": compile, "engine": tuple(sorted(given_engine.items()))}
+    parsed = _pairs("--map", o.maps, "POINT=VALUE, e.g. layers.0.out=/model/layers.0/Add_1_output_0")
+    given_engine = engine_options(kind, o.engine_options)
+    given = {"layerwise": o.layerwise or ops, "provider": o.provider, "map": tuple(sorted(parsed.items())),
+             "inject": o.inject, "layers": range(span.start, span.stop),
+             "last": span.stop - 1 if span.stop < span.of else None, "attn": o.attn, "compile": o.compile,
+             "engine": tuple(sorted(given_engine.items()))}
     return Options(ops=ops, **{name: value for name, value in given.items() if name in kind.options})
 
 

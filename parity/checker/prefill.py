@@ -1,6 +1,6 @@
 """One prompt through both sides, each capture point judged as the candidate produces it.
 
-The reference runs in a background thread (parity.models.Stream) and hands each point over; the candidate runs
+The reference runs in a background thread (parity.reference.models.Stream) and hands each point over; the candidate runs
 in this thread and each of its points is judged and dropped at once, so memory holds about one layer of
 activations beyond the models. Held whole, the reference runs first (side by side, the two would share the same
 cores, each op already spread over all of them): each of its points is written to an unnamed temporary file as
@@ -11,7 +11,7 @@ than the temporary files' disk can take, the two run in step.
 
 ``--isolate`` feeds each candidate layer the reference's input to it (a slice of ``--layers`` its first layer):
 the error a layer adds, apart from the error it inherits. A candidate that cannot be fed (an engine runs its
-graph whole: GGUF, ONNX, a dump) is isolated the other way round (Plan.follows): the reference runs in step with
+graph whole: a graph file, a dump) is isolated the other way round (Plan.follows): the reference runs in step with
 it, and each of its layers, and its noise twin's, waits for the candidate's input to that layer.
 """
 
@@ -26,14 +26,14 @@ from typing import Callable
 
 import torch
 
-from .. import names
-from ..checkpoint import Checkpoint
-from ..compare import CHUNK_BYTES, OnDisk, logit_metrics
-from ..models import Models, Stream, fed_points, layer_inputs
-from ..report import PointResult
-from .judge import Judge
-from .noise import EngineTwin, LayerInputs, NoNoise, Recorded, Twin
-from .plan import Plan
+from parity import names
+from parity.checkpoint import Checkpoint
+from parity.compare import CHUNK_BYTES, OnDisk, logit_metrics
+from parity.reference.models import Models, Stream, fed_points, layer_inputs
+from parity.report import PointResult
+from parity.checker.judge import Judge
+from parity.checker.noise import EngineTwin, LayerInputs, NoNoise, Recorded, Twin
+from parity.checker.plan import Plan
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """``parity golden record``: run the reference (and its calibration twins, parity.checker.noise) and store its
-capture points as a golden (parity.golden holds the format and reads it back)."""
+capture points as a golden (parity.reference.golden holds the format and reads it back)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ from typing import Callable
 
 import torch
 
-from .. import __version__, atomic, dumps
-from ..checkpoint import Checkpoint, open_checkpoint
-from ..compare import Tolerances, metrics
-from ..decode import decodes, greedy, prompt_length, uncached_steps
-from ..errors import ParityError
-from ..golden import (DESCRIPTION, FORMAT, FORMAT_VERSION, STORAGE, Golden, checkpoint_sha256, is_golden,
-                      open_golden, select_points)
-from ..inputs import select_inputs
-from ..models import DTYPES, Models, Stream, hf_runner, layer_inputs, would_not_fit
-from .noise import Twin
+from parity import __version__, dumps
+from parity.storage import atomic
+from parity.checkpoint import Checkpoint, open_checkpoint
+from parity.compare import Tolerances, metrics
+from parity.reference.decode import decodes, greedy, prompt_length, uncached_steps
+from parity.errors import ParityError
+from parity.reference.golden import (
+    DESCRIPTION, FORMAT, FORMAT_VERSION, STORAGE, Golden, checkpoint_sha256, is_golden, open_golden, select_points)
+from parity.checkpoint.inputs import Prompts
+from parity.reference.models import DTYPES, Models, Stream, hf_runner, layer_inputs, would_not_fit
+from parity.checker.noise import Twin
 
 
 def _capture(models: Models, ckpt: Checkpoint, ids: torch.Tensor, points: list[str], dtype: str,
@@ -70,8 +71,7 @@ def _stop(ref: Stream, *twins, wait: bool) -> None:
             twin.close(wait)
 
 
-def record(reference: Path, out: Path, *, prompt: str | None = None, ids: list[int] | None = None,
-           length: int | None = None, inputs_file: Path | None = None, dtype: str = "float32", points: str = "all",
+def record(reference: Path, out: Path, *, prompts: Prompts = Prompts(), dtype: str = "float32", points: str = "all",
            calibrate: bool = False, storage: str = "float32", force: bool = False, adapter_dirs=(),
            progress: Callable[[str], None] | None = None, decode: int = 0) -> Golden:
     """Run the reference checkpoint with transformers and store its capture points as a golden at ``out``.
@@ -95,9 +95,8 @@ def record(reference: Path, out: Path, *, prompt: str | None = None, ids: list[i
         raise ParityError(f"--decode must be a number of steps >= 0 (got {decode!r})")
     if decode and not decodes(ckpt):
         raise ParityError(f"--decode: a {ckpt.resolved.family} model is not a causal language model; drop --decode")
-    if decode and prompt is None and ids is None and length is None and inputs_file is None:
-        length = prompt_length(ckpt, decode)  # one that decoding takes across each sliding window
-    all_inputs = select_inputs(ckpt, prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
+    # with --decode and no input given, a prompt that decoding takes across each sliding window
+    all_inputs = prompts.select(ckpt, prompt_length(ckpt, decode) if decode and not prompts.given else None)
     say("hashing the checkpoint")
     description = {
         "format": FORMAT, "format_version": FORMAT_VERSION,

@@ -1,6 +1,6 @@
 """``parity check``: the run loop. A plan (parity.checker.plan) is made from the options before anything loads;
 then each input is checked (parity.checker.prefill) and merged into the report, the first input is decoded
-(parity.checker.decoding), the first divergence is diagnosed (parity.diagnose) and, with --generate, both sides
+(parity.checker.decoding), the first divergence is diagnosed (parity.diagnosis.diagnose) and, with --generate, both sides
 generate greedily.
 
 The reference is a Hugging Face checkpoint run by transformers (eager attention, float32), its capture points
@@ -13,44 +13,49 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .. import candidates
-from ..checkpoint import Checkpoint, open_checkpoint
-from ..errors import ParityError
-from ..ggml import Arithmetic
-from ..ort_arithmetic import OrtArithmetic
-from ..inputs import check_length
-from ..lengths import exercised
-from ..models import Models, first_device
-from ..report import Report
-from .drill import drill
-from .judge import merge
-from .plan import Plan, engine_options, make_plan
-from .prefill import PromptCheck
-from .sides import candidate_kind, open_reference
+from parity import candidates
+from parity.checkpoint import Checkpoint, open_checkpoint
+from parity.errors import ParityError
+from parity.checkpoint.inputs import check_length
+from parity.checkpoint.lengths import exercised
+from parity.reference.models import Models, first_device
+from parity.report import Report
+from parity.checker.drill import drill
+from parity.checker.judge import merge
+from parity.checker.options import CheckOptions
+from parity.checker.plan import Plan, engine_options, make_plan
+from parity.checker.prefill import PromptCheck
+from parity.checker.sides import candidate_kind, open_reference
 
 
-def check(reference: Path, candidate: Path, *, progress: Callable[[str], None] | None = None,
-          on_layer: Callable[[str, int, int], None] | None = None, **options) -> Report:
+def check(reference: Path, candidate: Path, options: CheckOptions | None = None, *,
+          progress: Callable[[str], None] | None = None, on_layer: Callable[[str, int, int], None] | None = None,
+          **given) -> Report:
     """Compare ``candidate`` against ``reference``; returns the report (truthy when parity holds).
 
-    Options (those of ``parity check``): ``dtype``, ``layerwise``, ``isolate``, ``calibrate``, ``tolerance``,
-    the inputs (``prompt``, ``ids``, ``length``, ``inputs_file``: with several, each point keeps its worst result
-    and the diagnosis looks at the input where the first divergence was seen), ``generate`` N, ``decode`` N (the
-    candidate's prompt and then N single-token steps with its own KV cache, each compared with the reference's
-    uncached forward at that position), ``inject`` (a neutral candidate runs a catalogued porting mistake),
-    ``diagnose``, ``checkpoint`` (a golden --reference's checkpoint, sha256-checked: the diagnosis needs its
-    weights), ``adapter_dirs``, ``provider`` and ``maps`` (ONNX candidates), ``stream`` (weights a layer at a
-    time; None: when they would not fit), ``device`` and ``candidate_device``, ``layers`` "A:B" (a slice, from
-    the reference's input to layer A; ``parity report merge`` joins slices). ``progress(message)`` and
+    ``options`` (a CheckOptions), or the same as keyword arguments (those of ``parity check``): ``dtype``,
+    ``layerwise``, ``isolate``, ``calibrate``, ``tolerance``, the inputs (``prompt``, ``ids``, ``length``,
+    ``inputs_file``: with several, each point keeps its worst result and the diagnosis looks at the input where the
+    first divergence was seen), ``generate`` N, ``decode`` N (the candidate's prompt and then N single-token steps
+    with its own KV cache, each compared with the reference's uncached forward at that position), ``inject`` (a
+    neutral candidate runs a catalogued porting mistake), ``diagnose``, ``checkpoint`` (a golden --reference's
+    checkpoint, sha256-checked: the diagnosis needs its weights), ``adapter_dirs``, ``provider`` and ``maps`` (graph
+    candidates), ``attn`` and ``compile`` (transformers candidates), ``engine_options``, ``stream`` (weights a layer
+    at a time; None: when they would not fit), ``device`` and ``candidate_device``, ``layers`` "A:B" (a slice, from
+    the reference's input to layer A; ``parity report merge`` joins slices), ``points`` ("ops": every operation too),
+    ``same_weights`` (the reference runs the candidate's own weights: check_same_weights). ``progress(message)`` and
     ``on_layer(model, done, total)`` report what it is doing.
     """
-    plan = make_plan(Path(reference), candidate, **options)
-    return run(plan, progress=progress, on_layer=on_layer)
+    options = CheckOptions.of(**given) if options is None else replace(options, **given)
+    if options.same_weights:
+        return check_same_weights(reference, candidate, options, progress=progress, on_layer=on_layer)
+    return run(make_plan(Path(reference), candidate, options), progress=progress, on_layer=on_layer)
 
 
 def run(plan: Plan, *, progress: Callable[[str], None] | None = None,
@@ -64,7 +69,7 @@ def run(plan: Plan, *, progress: Callable[[str], None] | None = None,
     quantized = _quantization_weights(plan, models, report, say) if plan.quantized_noise else None
     stepped = None
     if plan.decode:  # the reference's decode steps first: then it can be dropped before the candidate is loaded
-        from .decoding import reference_steps
+        from parity.checker.decoding import reference_steps
 
         stepped = reference_steps(plan, models, plan.inputs[0].ids, say)
     kept_by_run: dict[int, dict] = {}
@@ -113,7 +118,7 @@ def _new_report(plan: Plan) -> Report:
 
 
 def _decode(plan: Plan, models: Models, stepped, report: Report, say: Callable[[str], None]):
-    from .decoding import compare_steps
+    from parity.checker.decoding import compare_steps
 
     decoded = compare_steps(plan, models, stepped, plan.inputs[0].ids, say)
     report.points += decoded.points
@@ -133,13 +138,13 @@ def _diagnose(plan: Plan, report: Report, kept_by_run: dict[int, dict], decoded,
         return
     kept = kept_by_run.get(first.run, {})
     if first.step is not None:
-        from ..diagnose import diagnose_decode
+        from parity.diagnosis.diagnose import diagnose_decode
 
         say("diagnosing")
         report.diagnosis = diagnose_decode(plan.weights, decoded.kept, plan.inputs[0].ids,
                                            decoded.summary["tokens"], plan.low, adapter_dirs=plan.adapter_dirs)
     elif first.name in kept.get("candidate", {}):
-        from ..diagnose import diagnose
+        from parity.diagnosis.diagnose import diagnose
 
         say("diagnosing")
         report.diagnosis = diagnose(plan.weights, first.name, first.tolerance.rel_l2, kept["candidate"],
@@ -185,7 +190,7 @@ def _generate(plan: Plan, models: Models, report: Report) -> None:
 
 def _quantization_weights(plan: Plan, models: Models, report: Report,
                           say: Callable[[str], None]) -> Checkpoint | None:
-    """--calibrate with a quantized candidate (a GGUF of F16, Q8_0, ... matrices): each point's noise is what the
+    """--calibrate with a quantized candidate (a file of F16, Q8_0, ... matrices): each point's noise is what the
     file's quantization does to the reference, the reference run on the file's own dequantized weights against
     the reference itself, so that tolerances (10x that noise) are measured on this model and this file. The
     same-weights reference is loaded whole, once; the checkpoint it was read from is returned."""
@@ -224,42 +229,47 @@ def not_quantizations(held: dict) -> list[str]:
             f"laid them out wrongly still fails"]
 
 
-def check_same_weights(reference: Path, candidate: Path, *, adapter_dirs=(), **options) -> Report:
+def check_same_weights(reference: Path, candidate: Path, options: CheckOptions, *,
+                       progress: Callable[[str], None] | None = None,
+                       on_layer: Callable[[str, int, int], None] | None = None) -> Report:
     """``check`` with the reference built from the candidate's own weights (dequantized; --same-weights), loaded
-    into transformers' model of the reference's family and computing as the candidate's engine does (the
-    activations rounded before each matmul as llama.cpp rounds them: parity.ggml), so that a quantized candidate is
-    judged on its compute and conventions, not on its quantization or its engine's arithmetic. The plain
-    reference runs beside it: each point's error against it is reported too, and with --calibrate the distance
-    between the two references is the points' noise."""
+    into transformers' model of the reference's family and computing as the candidate's engine does (the kind's
+    arithmetic, e.g. the activations rounded before each matmul as the engine rounds them), so that a quantized
+    candidate is judged on its compute and conventions, not on its quantization or its engine's arithmetic. The
+    plain reference runs beside it: each point's error against it is reported too, and with --calibrate the
+    distance between the two references is the points' noise."""
     kind, path = candidate_kind(candidate)
     if kind.same_weights is None:
+        able = ", ".join(k for k, c in candidates.kinds().items() if c.same_weights is not None)
         raise ParityError(f"--same-weights reads the candidate's weights back; a {kind.name} candidate ({candidate}) "
-                          f"cannot give them (GGUF files can)")
-    if open_reference(Path(reference), adapter_dirs).stored:
+                          f"cannot give them (kinds that can: {able})")
+    if open_reference(Path(reference), options.adapter_dirs).stored:
         raise ParityError("--same-weights needs a Hugging Face --reference (its config and model class); a golden "
                           "holds activations, not a model")
-    engine = engine_options(kind, options.get("engine_options") or ())  # the conversion the runner will make
-    ckpt = open_checkpoint(Path(reference), adapter_dirs)
+    engine = engine_options(kind, options.engine_options)  # the conversion the runner will make
+    ckpt = open_checkpoint(Path(reference), options.adapter_dirs)
+    options = replace(options, same_weights=True)
     with tempfile.TemporaryDirectory(prefix="parity-same-weights-") as tmp:
         held = kind.same_weights(ckpt, path, Path(tmp), engine)
-        arithmetic = OrtArithmetic.load(Path(tmp)) or Arithmetic.load(Path(tmp))  # the engine's, as saved there
-        report = check(Path(tmp), candidate, adapter_dirs=adapter_dirs, arithmetic=arithmetic,
-                       same_weights=True, **options)
+        arithmetic = kind.arithmetic(Path(tmp)) if kind.arithmetic is not None else None  # the engine's
+        plan = make_plan(Path(tmp), candidate, options, arithmetic)
+        report = run(plan, progress=progress, on_layer=on_layer)
     # the reference the user named, built from the candidate's weights (and computing as its engine does)
     report.reference = {**report.reference, "path": str(reference), "same_weights": held}
     report.warnings += not_quantizations(held)
     return report
 
 
-def verify_golden(path: Path, reference: Path, *, adapter_dirs=(), progress: Callable[[str], None] | None = None):
+def verify_golden(path: Path, reference: Path, *, adapter_dirs=(), progress: Callable[[str], None] | None = None,
+                  on_layer: Callable[[str, int, int], None] | None = None) -> Report:
     """Re-run the live reference against the golden at ``path``: a report whose failing points are drift. The
     golden stands on the reference side; the live reference, run the same way, is the candidate."""
     truth = open_reference(Path(path), adapter_dirs)
     if not truth.stored:
         raise ParityError(f"{path} is not a golden (no golden.json); record one with parity golden record")
     truth.golden.match(Path(reference), adapter_dirs)  # drift against another checkpoint would mean nothing
-    return check(Path(path), Path(reference), dtype="float32", layerwise=True, adapter_dirs=adapter_dirs,
-                 progress=progress)
+    options = CheckOptions(dtype="float32", layerwise=True, adapter_dirs=tuple(adapter_dirs))
+    return check(Path(path), Path(reference), options, progress=progress, on_layer=on_layer)
 
 
 def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.dtype = torch.float32,

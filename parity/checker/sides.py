@@ -21,12 +21,12 @@ from typing import Callable
 
 import torch
 
-from .. import candidates
-from ..candidates import Candidate, Kind, Notes, Options
-from ..checkpoint import Checkpoint, open_checkpoint, refuse_mismatched
-from ..errors import ParityError
-from ..inputs import Inputs, select_inputs
-from ..models import Emit, Models, hf_runner, replay_steps
+from parity import candidates
+from parity.candidates import Candidate, Kind, Notes, Options
+from parity.checkpoint import Checkpoint, open_checkpoint, refuse_mismatched
+from parity.errors import ParityError
+from parity.checkpoint.inputs import Inputs, select_inputs
+from parity.reference.models import Emit, Models, hf_runner, replay_steps
 
 
 
@@ -38,7 +38,7 @@ class TransformersSide:
     points = None  # every capture point of the adapter
 
     def __init__(self, path: Path, adapter_dirs=(), arithmetic=None):
-        """``arithmetic`` (parity.ggml.Arithmetic): run as that engine computes (a same-weights reference)."""
+        """``arithmetic`` (parity.reference.arithmetic): run as that engine computes (a same-weights reference)."""
         self.path = Path(path)
         self.checkpoint: Checkpoint = open_checkpoint(self.path, adapter_dirs)
         self.arithmetic = arithmetic
@@ -67,14 +67,14 @@ class TransformersSide:
 
     def continuation(self, models: Models, k: int, ids: torch.Tensor, n: int) -> list[int]:
         """The n tokens a decode check feeds: the reference's greedy continuation."""
-        from ..decode import greedy
+        from parity.reference.decode import greedy
 
         return greedy(models, self.checkpoint, ids, n)
 
     def decode(self, models: Models, k: int, ids: torch.Tensor, tokens: list[int], points: set[str]):
         """The truth for each step: one forward over the prompt and the tokens, without a cache (where no cache
         can be wrong)."""
-        from ..decode import uncached_steps
+        from parity.reference.decode import uncached_steps
 
         steps = uncached_steps(models, self.checkpoint, ids, tokens, points, self.arithmetic) if points else {}
         return replay_steps(steps, len(tokens))
@@ -84,7 +84,7 @@ class TransformersSide:
 
 
 class GoldenSide:
-    """A golden (parity.golden): the activations transformers produced once, replayed."""
+    """A golden (parity.reference.golden): the activations transformers produced once, replayed."""
 
     kind = "golden"
     stored = True
@@ -126,7 +126,7 @@ class GoldenSide:
 def open_reference(path: Path, adapter_dirs=(), arithmetic=None):
     """The reference at ``path``: a golden directory, else a Hugging Face checkpoint (computing with
     ``arithmetic``, when given: a same-weights reference)."""
-    from ..golden import is_golden, open_golden
+    from parity.reference.golden import is_golden, open_golden
 
     if is_golden(Path(path)):
         return GoldenSide(open_golden(Path(path), adapter_dirs))
@@ -191,27 +191,29 @@ def candidate_kind(spec) -> tuple[Kind, Path]:
     if not Path(path).exists():
         raise ParityError(f"--candidate {path}: no such file or directory")
     engines = [k.name for k in candidates.kinds().values() if k.explicit]
-    raise ParityError(f"--candidate {path}: not a neutral directory (manifest.json), a Hugging Face checkpoint "
-                      f"(config.json), an ONNX graph, a GGUF file, a golden or an engine dump (the kinds: "
+    takes = [k.takes or k.name for k in candidates.kinds().values() if not k.explicit]
+    raise ParityError(f"--candidate {path}: not {', '.join(takes[:-1])} or {takes[-1]} (the kinds: "
                       f"{', '.join(k for k in candidates.kinds() if k not in engines)}"
                       + (f"; an engine's directory is named as KIND:PATH, KIND one of {', '.join(engines)}"
                          if engines else "") + ")")
 
 
-def inputs_for(reference: Path, *, prompt: str | None = None, ids: list[int] | None = None,
-               length: int | None = None, inputs_file: Path | None = None, adapter_dirs=(), decode: int = 0
+def inputs_for(reference: Path, prompts, *, adapter_dirs=(), decode: int = 0
                ) -> tuple[list[list[int]], list[int] | None]:
     """The token ids an engine must run to be checked against ``reference`` (a checkpoint or a golden), and with
     ``decode`` N the N tokens it must then be fed one step at a time after the first prompt (the reference's
-    greedy continuation: a golden's stored one, or computed by transformers)."""
-    from ..decode import decodes, prompt_length
+    greedy continuation: a golden's stored one, or computed by transformers). ``prompts``: a
+    parity.checkpoint.inputs.Prompts."""
+    from parity.reference.decode import decodes, prompt_length
 
     truth = open_reference(Path(reference), adapter_dirs)
     if decode and not decodes(truth.checkpoint):
         raise ParityError(f"--decode: a {truth.checkpoint.resolved.family} model is not a causal language model; "
                           f"drop --decode")
-    if decode and not truth.stored and prompt is None and ids is None and length is None and inputs_file is None:
+    length = prompts.length
+    if decode and not truth.stored and not prompts.given:
         length = prompt_length(truth.checkpoint, decode)  # the prompt `check --decode N` would choose
-    chosen = truth.inputs(prompt=prompt, ids=ids, length=length, inputs_file=inputs_file)
+    chosen = truth.inputs(prompt=prompts.prompt, ids=None if prompts.ids is None else list(prompts.ids), length=length,
+                          inputs_file=prompts.inputs_file)
     tokens = truth.continuation(Models(adapter_dirs), 0, chosen[0].ids, decode) if decode else None
     return [inputs.ids[0].tolist() for inputs in chosen], tokens

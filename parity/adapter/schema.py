@@ -1,0 +1,341 @@
+"""The adapter schema: what one adapter file may say, as pydantic models (unknown keys are refused).
+
+Convention fields that only describe a feature a family may lack (MoE, MLA, softcaps, windows, extra norms,
+KV sharing, embedding extras) default to "absent" (``false``, ``"none"``, ``0``), so a dense family does not
+spell them; ``parity adapters --resolved NAME`` prints every field as resolved. Loading (and ``extends``) is in
+``parity.adapter.files``; applying an adapter to a config is in ``parity.adapter``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from parity.adapter.expr import compile_expr
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Param(_Strict):
+    """A value read from the config (``key`` with a ``default``) or computed (``expr``)."""
+
+    key: Union[str, list[str], None] = None
+    default: Any = None
+    null: Literal["default", "none"] = "default"  # what a key present in the config as null means
+    default_expr: Union[str, None] = None
+    expr: Union[str, None] = None
+    map: Union[dict[str, Any], None] = None
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.key is None) == (self.expr is None):
+            raise ValueError("give exactly one of 'key' (a config key) or 'expr' (an expression)")
+        if self.expr is not None and (self.default is not None or self.default_expr is not None):
+            raise ValueError("'default' only applies to 'key'")
+        for source in (self.expr, self.default_expr):
+            if source is not None:
+                compile_expr(source)
+        return self
+
+    @property
+    def keys(self) -> list[str]:
+        return [self.key] if isinstance(self.key, str) else list(self.key or [])
+
+
+Value = Union[Param, bool, int, float, str, list, None]
+
+# Allowed values of convention fields that are enumerations; checked on literals at load time
+# and on every resolved value.
+CHOICES: dict[str, tuple] = {
+    "norm.kind": ("rmsnorm", "layernorm"),
+    "norm.weight": ("weight", "one_plus_weight"),
+    "norm.upcast": ("float32", "none"),
+    "norm.weight_dtype": ("float32", "model"),
+    "norm.placement": ("pre", "post", "sandwich", "sublayer_output"),
+    "attention.qk_norm": ("none", "per_head", "full_width"),
+    "attention.qk_norm_weight": ("weight", "one_plus_weight"),
+    "attention.v_norm": ("none", "weighted", "weightless"),
+    "attention.kind": ("mha", "mla"),
+    "positions.kind": ("rope", "learned"),
+    "positions.rope_style": ("half", "interleaved", "none"),
+    "positions.rope_dtype": ("model", "float32"),
+    "mlp.activation": ("gelu_exact", "gelu_tanh", "silu", "relu"),
+    "mlp.moe_routing": ("none", "softmax", "sigmoid"),
+    "mlp.moe_router_dtype": ("float32", "model"),
+    "mlp.moe_weights_dtype": ("float32", "model"),
+    "embedding.scale_dtype": ("model", "float32"),
+}
+
+
+# Optional numbers (a softcap, a window, an MLA rank): ``false`` in an adapter, or null/absent in
+# a config, means the model does not have the feature; resolved as None.
+OPTIONAL = frozenset({
+    "attention.softcap", "attention.sliding_window", "attention.kv_shared_from", "attention.q_lora_rank",
+    "attention.kv_lora_rank", "attention.qk_nope_head_dim", "attention.qk_rope_head_dim", "attention.v_head_dim",
+    "mlp.experts", "mlp.experts_per_token", "mlp.shared_experts", "mlp.moe_intermediate_size",
+    "mlp.moe_groups", "mlp.moe_groups_kept", "mlp.moe_scale", "mlp.moe_router_input_scale",
+    "embedding.final_softcap", "embedding.per_layer_input_size",
+    "positions.rope_theta", "positions.rope_scaling", "positions.rotary_dim",
+})
+
+# transformers' activation names (ACT2FN keys) and the exact function each one computes.
+ACTIVATIONS = {
+    "gelu": "gelu_exact",
+    "gelu_python": "gelu_exact",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "silu": "silu",
+    "swish": "silu",
+    "relu": "relu",
+}
+
+
+class Variant(_Strict):
+    """One way the family appears on disk: architecture names, model_type, tensor prefix."""
+
+    architectures: list[str]
+    model_type: str
+    text_config: Union[str, None] = None
+    tensor_prefix: list[str]
+    module_prefix: str
+    lm_head: bool = True
+    ignore: list[str] = []
+
+
+class NormConvention(_Strict):
+    kind: Value
+    eps: Value
+    bias: Value = False
+    weight: Value
+    upcast: Value
+    weight_dtype: Value
+    placement: Value
+    final: Value
+    embedding: Value = False
+
+
+class AttentionConvention(_Strict):
+    kind: Value = "mha"
+    causal: Value
+    heads: Value
+    kv_heads: Value
+    head_dim: Value
+    q_bias: Value
+    k_bias: Value
+    v_bias: Value
+    o_bias: Value
+    fused_qkv: Value = False
+    qk_norm: Value = "none"
+    qk_norm_weight: Value = "weight"
+    v_norm: Value = "none"
+    scale: Value
+    softcap: Value = False
+    sliding_window: Value = False
+    k_eq_v: Value = False
+    kv_shared_from: Value = False
+    q_lora_rank: Value = False
+    kv_lora_rank: Value = False
+    qk_nope_head_dim: Value = False
+    qk_rope_head_dim: Value = False
+    v_head_dim: Value = False
+
+
+class PositionConvention(_Strict):
+    kind: Value
+    max_positions: Value
+    token_types: Value = 0
+    rope_theta: Value
+    rope_style: Value
+    rotary_dim: Value
+    rope_scaling: Value
+    rope_dtype: Value    # "model": q/k rotated in the model dtype; "float32": upcast, rotated, cast back (OLMo 2)
+    scaling_types: list[str] = []   # the rope_scaling types the family accepts (none: learned positions)
+
+
+class MLPConvention(_Strict):
+    gated: Value
+    activation: Value
+    intermediate_size: Value
+    bias: Value = False
+    moe: Value = False
+    moe_routing: Value = "none"
+    experts: Value = False
+    experts_per_token: Value = False
+    shared_experts: Value = False
+    moe_intermediate_size: Value = False
+    moe_groups: Value = False            # experts are chosen within groups (DeepSeek-V3 n_group); none = one group
+    moe_groups_kept: Value = False       # groups kept per token (topk_group)
+    moe_renormalise: Value = False       # top-k weights rescaled to sum to 1
+    moe_scale: Value = False             # routed output multiplier (routed_scaling_factor); none = 1
+    moe_router_input_scale: Value = False  # the router's input is multiplied by this (Gemma 4: hidden ** -0.5)
+    moe_router_dtype: Value = "model"      # "float32": router weights kept and applied in float32 (DeepSeek-V3); "model"
+    # The dtype in which the routing weights multiply the experts' outputs: "float32" (the weights stay float32,
+    # as DeepSeek-V3, Gemma 4 and Mixtral leave them), or "model" (cast to the model dtype first, as
+    # Qwen3MoeTopKRouter does). Only a low-precision run can tell; absent means "float32".
+    moe_weights_dtype: Value = "float32"
+
+
+class EmbeddingConvention(_Strict):
+    scale: Value = 1.0
+    scale_dtype: Value = "model"
+    tied: Value
+    final_softcap: Value = False
+    head_transform: Value = False
+    per_layer_input_size: Value = False
+
+
+class NormModule(_Strict):
+    """A norm module in the transformers model; its tensors are ``{hf}.weight`` / ``{hf}.bias``."""
+
+    hf: str
+    neutral: str
+    group: Literal["block", "attention", "mla", "moe", "embedding", "final", "per_layer_input", "head"]
+    dim: str
+    when: Union[str, None] = None
+    has_weight: bool = True
+    convention: Literal["norm", "qk_norm"] = "norm"
+    eps: Union[str, None] = None  # an expression, where this norm's eps is not the family's norm.eps
+
+
+class Split(_Strict):
+    dim: int
+    sizes: list[str]
+
+
+class TensorEntry(_Strict):
+    """A checkpoint tensor (shape as stored) and where it goes in the neutral layout.
+
+    Transforms apply in this order: ``transpose`` (GPT-2's Conv1D ``[in, out]``), ``unstack``
+    (a stacked ``[E, ...]`` expert tensor into one tensor per expert, names with ``{e}``), then
+    ``split`` along ``dim`` of each (unstacked) tensor into the neutral names, in order.
+    """
+
+    hf: str
+    neutral: Union[str, list[str]]
+    shape: list[str]
+    when: Union[str, None] = None
+    experts: Union[str, None] = None
+    transpose: bool = False
+    unstack: bool = False
+    split: Union[Split, None] = None
+
+
+# What a saved buffer holds, and so how ``inspect`` checks it against the config.
+BUFFER_KINDS = ("rope_inv_freq", "position_ids", "token_type_ids", "causal_mask", "mask_value", "tied_copy")
+
+
+class Buffer(_Strict):
+    """A buffer some checkpoints carry beside the weights (persistent in older transformers, or kept by merge
+    and re-save tools): recognised, listed apart, checked where it encodes a convention, never converted.
+
+    ``kind``: ``rope_inv_freq`` (RoPE inverse frequencies: must agree with rope_theta / rope_scaling),
+    ``position_ids`` (``arange``), ``token_type_ids`` (zeros), ``causal_mask`` (a lower-triangular mask),
+    ``mask_value`` (the fill value of masked scores), ``tied_copy`` (a tied head saved anyway: it must equal
+    ``same_as``, or transformers unties the two and uses it).
+    """
+
+    hf: str
+    kind: Literal[BUFFER_KINDS]
+    when: Union[str, None] = None
+    same_as: Union[str, None] = None
+
+    @model_validator(mode="after")
+    def _same_as(self):
+        if (self.kind == "tied_copy") != (self.same_as is not None):
+            raise ValueError("give 'same_as' (the tensor it copies) exactly for kind 'tied_copy'")
+        return self
+
+
+class CapturePoint(_Strict):
+    """Where a capture point is read: a module's input (``arg``) or output (``field``)."""
+
+    module: str
+    io: Literal["input", "output"]
+    arg: Union[str, int, None] = None
+    field: Union[str, int, None] = None
+    when: Union[str, None] = None
+
+
+# What an ``io = "attention"`` op reads from the attention function of its module (parity.reference.capture)
+ATTENTION_FIELDS = ("query", "key", "scores", "probs")
+
+
+class OpPoint(_Strict):
+    """Where an operation-level point (docs/ops.md) is read: as a capture point (a module's ``input`` or
+    ``output``), where ``slice`` = [start, stop] (expressions) keeps part of the last dimension (a fused
+    projection's q, k or v) and ``heads_first`` says the value is held [B, H, S, D] (a per-head norm applied after
+    the heads are moved before the positions), not [B, S, ...]; or ``io = "attention"``: what the module hands its
+    attention function, ``field`` one of ATTENTION_FIELDS (query and key as passed, after RoPE; the softmax's
+    input and output)."""
+
+    module: str
+    io: Literal["input", "output", "attention"]
+    arg: Union[str, int, None] = None
+    field: Union[str, int, None] = None
+    slice: Union[list[str], None] = None
+    heads_first: bool = False
+    when: Union[str, None] = None
+
+    @model_validator(mode="after")
+    def _fields(self):
+        if self.io == "attention" and (self.field not in ATTENTION_FIELDS or self.arg is not None
+                                       or self.slice is not None or self.heads_first):
+            raise ValueError(f"io = \"attention\" reads one 'field' of {', '.join(ATTENTION_FIELDS)} (no arg, "
+                             f"slice or heads_first: its layout is known)")
+        if self.slice is not None and len(self.slice) != 2:
+            raise ValueError("'slice' is [start, stop] of the last dimension")
+        return self
+
+
+class GGUFExport(_Strict):
+    """How llama.cpp runs the family: its architecture name in GGUF metadata, and the q/k row layout its RoPE
+    kernel for that architecture expects ("interleaved": LLAMA_ROPE_TYPE_NORM, adjacent pairs, so
+    convert_hf_to_gguf.py permutes Llama's q/k; "half": NEOX, as Hugging Face stores them)."""
+
+    arch: str
+    rope_style: Literal["half", "interleaved"]
+    windows: bool = False           # reads attention.sliding_window and a per-layer sliding_window_pattern
+    softcaps: bool = False          # reads attn_logit_softcapping / final_logit_softcapping
+    local_rope_base: bool = False   # sliding layers rotate with rope.freq_base_swa
+    # llama.cpp graph tensors whose meaning in this architecture differs from parity/candidates/gguf.py's table:
+    # {tensor name ({i}: the layer): capture point, or "" where it is none of them}; a name llama.cpp gives no
+    # layer index may still map to "layers.{i}...": the layer of the indexed tensor computed before it
+    points: dict[str, str] = {}
+
+
+class Tiny(_Strict):
+    """How ``parity make-tiny`` builds a test checkpoint of the family (config overrides)."""
+
+    architecture: str
+    layers: int
+    config: dict[str, Any]
+    expr: dict[str, str] = {}  # config values computed from ``num_layers``
+
+
+class AdapterFile(_Strict):
+    family: str
+    description: str
+    variants: list[Variant]
+    derive: dict[str, Param] = {}
+    norm: NormConvention
+    attention: AttentionConvention
+    positions: PositionConvention
+    mlp: MLPConvention
+    embedding: EmbeddingConvention
+    norms: list[NormModule]
+    tensors: list[TensorEntry]
+    buffers: list[Buffer] = []
+    # Legacy tensor-name endings some checkpoints still use -> today's (BERT's TF-era ``LayerNorm.gamma``);
+    # transformers renames them on load, and so does the tensor check.
+    legacy_names: dict[str, str] = {}
+    capture: dict[str, CapturePoint]
+    # operation-level points (docs/ops.md): an entry, or alternatives of which the first whose `when` holds is read
+    ops: dict[str, Union[OpPoint, list[OpPoint]]] = {}
+    gguf: Union[GGUFExport, None] = None   # absent: the family is not exported to GGUF
+    tiny: Tiny
+
+
+SECTIONS = ("norm", "attention", "positions", "mlp", "embedding")

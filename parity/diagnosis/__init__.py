@@ -1,0 +1,1 @@
+"""The porting-bug catalog and the diagnosis that replays it."""

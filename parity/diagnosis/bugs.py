@@ -1,0 +1,425 @@
+"""The porting-bug catalog: the convention mistakes ports make, each injectable into a neutral model.
+
+An injection is a change to a neutral model's manifest (its conventions) or tensors — never a
+special case in the executor — so that the executor runs the mistake exactly as a port would.
+Whether a bug applies is read off the manifest too (a model with no sliding window cannot ignore
+one), so the catalog holds no family names; ``families`` is computed from the adapters' tiny
+checkpoints for display.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from parity.errors import ParityError
+
+Tensors = dict[str, torch.Tensor]
+
+BLOCK_POST = ("attn_post_norm", "mlp_post_norm")
+# where a mistake in every norm first shows: the attention's input norm, or, in a family without one (OLMo 2's
+# norms follow the sublayers), the query's full-width norm
+NORM_FIRST = ("attn.q_norm",)
+
+
+@dataclass(frozen=True)
+class Bug:
+    id: str
+    mistake: str                 # one line, for `parity bugs`
+    explains: str                # "the candidate matches {explains}" in a diagnosis
+    shows: str                   # "garbage at once" | "degrades on long prompts" | "low precision only" | "subtle"
+    seen_in: str                 # where it happened in public ports
+    applies: Callable[[dict], bool]
+    inject: Callable[[dict, Tensors], None]   # changes (manifest, tensors) in place
+    dtype: str = "float32"       # the dtype its selftest runs in
+    width: int | None = None     # its selftest's hidden size, where 64 is too narrow for the mistake to show
+    decode: bool = False         # a KV-cache mistake: only decode steps show it (check --decode), the prefill passes
+    op: str | None = None        # where inside a layer it first shows (docs/ops.md: attn.q_rope, attn_in, ...); None:
+                                 # outside the layers (the embedding, the head) or only in decode steps
+    also: tuple[str, ...] = ()   # other ops it may first show at, on some sides (below, where one is given)
+
+
+# --------------------------------------------------------------------------------------------
+# Walking a manifest
+
+
+def _norms(m: dict) -> Iterator[tuple[str, dict, dict, str]]:
+    """Every norm spec: (tensor name prefix, spec, the dict holding it, its key there)."""
+    emb = m["embedding"]
+    if emb["norm"]:
+        yield "embed.norm", emb["norm"], emb, "norm"
+    if emb["per_layer_input"] and emb["per_layer_input"]["norm"]:
+        yield "embed.per_layer_norm", emb["per_layer_input"]["norm"], emb["per_layer_input"], "norm"
+    for i, layer in enumerate(m["layers"]):
+        p = f"layers.{i}."
+        for slot, spec in layer["norms"].items():
+            if spec:
+                yield p + slot, spec, layer["norms"], slot
+        att = layer["attention"]
+        for key in ("q_norm", "k_norm", "v_norm"):
+            if att[key]:
+                yield p + f"attn.{key}", att[key], att, key
+        if att["mla"]:
+            for key in ("q_a_norm", "kv_a_norm"):
+                if att["mla"][key]:
+                    yield p + f"attn.{key}", att["mla"][key], att["mla"], key
+        moe = layer["mlp"]["moe"]
+        if moe:
+            for key, name in (("router_norm", "moe.router_norm"), ("expert_norm", "moe_norm"),
+                              ("expert_post_norm", "moe_post_norm"), ("dense_post_norm", "mlp_dense_post_norm")):
+                if moe[key]:
+                    yield p + name, moe[key], moe, key
+        if layer["per_layer_input"] and layer["per_layer_input"]["post_norm"]:
+            yield p + "pli_post_norm", layer["per_layer_input"]["post_norm"], layer["per_layer_input"], "post_norm"
+    if m["final_norm"]:
+        yield "final_norm", m["final_norm"], m, "final_norm"
+    head = m["head"]
+    if head and head["transform"] and head["transform"]["norm"]:
+        yield "head.norm", head["transform"]["norm"], head["transform"], "norm"
+
+
+def _attention(m: dict) -> Iterator[tuple[int, dict]]:
+    for i, layer in enumerate(m["layers"]):
+        yield i, layer["attention"]
+
+
+def _has(m: dict, test: Callable[[dict], bool]) -> bool:
+    return any(test(att) for _, att in _attention(m))
+
+
+def _scale_weight(t: Tensors, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    if f"{name}.weight" in t:
+        t[f"{name}.weight"] = change(t[f"{name}.weight"].float()).to(t[f"{name}.weight"].dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Injections
+
+
+def _offset_dropped(m: dict, t: Tensors) -> None:
+    for name, spec, _, _ in _norms(m):
+        if spec["folded_offset"]:
+            _scale_weight(t, name, lambda w: w - 1.0)  # stored 1 + w: the port uses w
+
+
+def _offset_added(m: dict, t: Tensors) -> None:
+    for name, spec, _, _ in _norms(m):
+        if spec["kind"] == "rmsnorm" and spec["weight"]:
+            _scale_weight(t, name, lambda w: w + 1.0)  # 1 + w where the family computes w (or +1 twice)
+
+
+def _eps_wrong(m: dict, t: Tensors) -> None:
+    for _, spec, _, _ in _norms(m):
+        spec["eps"] = 1e-6 if spec["eps"] != 1e-6 else 1e-5
+
+
+def _low_precision(m: dict, t: Tensors) -> None:
+    for _, spec, _, _ in _norms(m):
+        spec["upcast"] = "none"
+        spec["weight_dtype"] = "model"
+
+
+def _post_as_pre(m: dict, t: Tensors) -> None:
+    for i, layer in enumerate(m["layers"]):
+        norms = layer["norms"]
+        for sub in ("attn", "mlp"):
+            if norms[f"{sub}_res_norm"]:
+                norms[f"{sub}_norm"], norms[f"{sub}_res_norm"] = norms[f"{sub}_res_norm"], None
+                for part in ("weight", "bias"):
+                    old = f"layers.{i}.{sub}_res_norm.{part}"
+                    if old in t:
+                        t[f"layers.{i}.{sub}_norm.{part}"] = t.pop(old)
+
+
+def _post_dropped(m: dict, t: Tensors) -> None:
+    for layer in m["layers"]:
+        for slot in BLOCK_POST:
+            layer["norms"][slot] = None
+
+
+def _qk_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["qk_norm"], att["q_norm"], att["k_norm"] = "none", None, None
+
+
+def _qk_per_head(m: dict, t: Tensors) -> None:
+    for i, att in _attention(m):
+        if att["qk_norm"] == "full_width":
+            att["qk_norm"] = "per_head"  # statistics per head; the full-width weight laid out per head
+            for key, heads in (("q_norm", att["heads"]), ("k_norm", att["kv_heads"])):
+                name = f"layers.{i}.attn.{key}.weight"
+                if name in t:
+                    t[name] = t[name].reshape(heads, att["head_dim"])
+
+
+def _v_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["v_norm"] = None
+
+
+def _softcap_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["softcap"] = None
+
+
+def _final_softcap_dropped(m: dict, t: Tensors) -> None:
+    m["head"]["softcap"] = None
+
+
+def _plain_scale(att: dict) -> float:
+    width = att["mla"]["qk_nope_head_dim"] + att["mla"]["qk_rope_head_dim"] if att["mla"] else att["head_dim"]
+    return width ** -0.5
+
+
+def _scale_wrong(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["scale"] = _plain_scale(att)
+
+
+def _embed_scale_dropped(m: dict, t: Tensors) -> None:
+    m["embedding"]["scale"] = 1.0
+
+
+GELU_SWAP = {"gelu_exact": "gelu_tanh", "gelu_tanh": "gelu_exact"}
+ACT_SWAP = {"silu": "gelu_tanh", "gelu_tanh": "silu", "gelu_exact": "silu"}
+
+
+def _activations(m: dict) -> Iterator[dict]:
+    for layer in m["layers"]:
+        yield layer["mlp"]
+        if layer["mlp"]["moe"]:
+            yield layer["mlp"]["moe"]
+    if m["head"] and m["head"]["transform"]:
+        yield m["head"]["transform"]
+
+
+def _swap(table: dict) -> Callable[[dict, Tensors], None]:
+    def inject(m: dict, t: Tensors) -> None:
+        for spec in _activations(m):
+            spec["activation"] = table.get(spec["activation"], spec["activation"])
+    return inject
+
+
+def _rope_permuted(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        rope = att["rope"]
+        rope["style"] = "interleaved" if rope["style"] == "half" else "half"
+
+
+def _theta_wrong(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["rope"]["theta"] = 10000.0 if att["rope"]["theta"] != 10000.0 else 1000000.0
+
+
+def _window_ignored(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["sliding_window"] = None
+
+
+def _qkv_bias_dropped(m: dict, t: Tensors) -> None:
+    for name in [n for n in t if n.startswith("layers.") and n.split(".", 2)[2] in
+                 ("attn.q.bias", "attn.k.bias", "attn.v.bias", "attn.q_a.bias", "attn.kv_a.bias")]:
+        del t[name]
+
+
+def _conv1d(m: dict) -> list[str]:
+    return [n for n, info in m["tensors"].items() if info.get("transposed") and len(info["shape"]) == 2
+            and info["shape"][0] == info["shape"][1]]
+
+
+def _conv1d_not_transposed(m: dict, t: Tensors) -> None:
+    for name in _conv1d(m):  # square Conv1D weights used as stored: W^T (the others would not even load)
+        if name in t:  # (the diagnosis may hold one layer's tensors only)
+            t[name] = t[name].t().contiguous()
+
+
+def _untied(m: dict, t: Tensors) -> None:
+    m["head"]["tied"] = False
+    embed = t["embed.tokens.weight"]
+    gen = torch.Generator().manual_seed(0)
+    t["lm_head.weight"] = (torch.randn(embed.shape, generator=gen) * 0.02).to(embed.dtype)  # a fresh init
+
+
+def _mla_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        if att["mla"]:
+            att["mla"]["q_a_norm"] = att["mla"]["kv_a_norm"] = None
+
+
+def _cache_policy(**policy) -> Callable[[dict, Tensors], None]:
+    """A decode bug: the executor's cache (parity.neutral.executor.cache) follows this policy instead of the correct one."""
+    def inject(m: dict, t: Tensors) -> None:
+        m["kv_cache"] = {**m.get("kv_cache", {}), **policy}
+    return inject
+
+
+def decodes(m: dict) -> bool:
+    """A causal language model: it has decode steps."""
+    return bool(m["head"]) and all(layer["attention"]["causal"] for layer in m["layers"])
+
+
+def _uniform_kv(m: dict) -> bool:
+    """Every layer caches keys and values of one shape, and none reuses another's: a cache whose slots any layer
+    could write (where shapes differ, a port that mixes up slots fails loudly instead)."""
+    shapes = {(a["kv_heads"], a["head_dim"], bool(a["mla"])) for _, a in _attention(m)}
+    return len(shapes) == 1 and not _has(m, lambda a: a["kv_shared_from"] is not None)
+
+
+def _rms(m: dict) -> bool:
+    return any(spec["kind"] == "rmsnorm" for _, spec, _, _ in _norms(m))
+
+
+CATALOG: list[Bug] = [
+    Bug("norm-offset-dropped", "`w` used where the family computes `1 + w`",
+        "the norm computed with `weight` instead of `1 + weight`", "garbage at once",
+        "ggml-org/llama.cpp PR #5631; linkedin/Liger-Kernel #74",
+        lambda m: any(s["folded_offset"] for _, s, _, _ in _norms(m)), _offset_dropped, op="attn_in", also=NORM_FIRST),
+    Bug("norm-offset-added", "`1 + w` used where the family computes `w` (or +1 applied twice)",
+        "the norm computed with `1 + weight` instead of `weight`", "garbage at once",
+        "utensils/mold #1078",
+        _rms, _offset_added, op="attn_in", also=NORM_FIRST),
+    Bug("norm-eps-wrong", "eps differs from the config (e.g. 1e-6 for 1e-5)",
+        "the norms computed with a different eps", "subtle",
+        "ggml-org/llama.cpp #2373, PR #2374; apache/tvm #15856; mlc-ai/mlc-llm #923; intel/ipex-llm #9529",
+        lambda m: any(True for _ in _norms(m)), _eps_wrong, op="attn_in", also=NORM_FIRST),
+    Bug("norm-in-low-precision", "norm computed in bf16/fp16 instead of float32",
+        "the norms computed in the model's low precision", "low precision only",
+        "huggingface/transformers PR #29402; meta-llama/llama #1048; pytorch/pytorch #133085",
+        # accumulating mean(x^2) in bf16 loses the small terms once the sum is 256x larger: it takes a
+        # realistic width to show (at hidden 64 it stays within bf16's own noise)
+        lambda m: any(True for _ in _norms(m)), _low_precision, dtype="bfloat16", width=1024, op="attn_in", also=NORM_FIRST),
+    Bug("post-norm-as-pre-norm", "Post-Norm block ported as Pre-Norm",
+        "a Pre-Norm block where the family uses Post-Norm", "garbage at once",
+        "TransformerLensOrg/TransformerLens #509",
+        lambda m: any(l["norms"]["attn_res_norm"] or l["norms"]["mlp_res_norm"] for l in m["layers"]), _post_as_pre, op="attn_in"),
+    Bug("sandwich-post-norm-dropped", "the post-attention / post-feedforward norms skipped",
+        "the block without its post-sublayer norms", "garbage at once",
+        "google/flax #4567",
+        lambda m: any(l["norms"][s] for l in m["layers"] for s in BLOCK_POST), _post_dropped, op="attn_out"),
+    Bug("qk-norm-dropped", "q/k norms skipped", "attention without its q/k norms", "garbage at once",
+        "arcee-ai/mergekit #602, PR #699; lmstudio-ai/mlx-engine #283",
+        lambda m: _has(m, lambda a: a["qk_norm"] != "none"), _qk_dropped, op="attn.q_norm"),
+    Bug("qk-norm-per-head", "full-width QK-Norm applied per head",
+        "the q/k norms taken per head instead of over the full projection width", "subtle",
+        "ggml-org/llama.cpp PR #12400; vllm-project/vllm-metal #692",
+        lambda m: _has(m, lambda a: a["qk_norm"] == "full_width"), _qk_per_head, op="attn.q_norm"),
+    Bug("v-norm-dropped", "v norm skipped", "attention without its v-norm", "subtle",
+        "no public instance found",
+        lambda m: _has(m, lambda a: a["v_norm"] is not None), _v_dropped, op="attn.context"),
+    Bug("attn-softcap-dropped", "attention logit softcap skipped", "attention without its logit softcap",
+        "degrades on long prompts",
+        "vllm-project/vllm PR #5908, #6051, #7022; huggingface/transformers #31887, #32877; "
+        "EricLBuehler/candle-vllm #84",
+        lambda m: _has(m, lambda a: bool(a["softcap"])), _softcap_dropped, op="attn.scores"),
+    Bug("final-softcap-dropped", "final logit softcap skipped", "logits without their final softcap", "subtle",
+        "ggml-org/llama.cpp PR #8197, PR #8156; ollama/ollama #5341",
+        lambda m: bool(m["head"] and m["head"]["softcap"]), _final_softcap_dropped),
+    Bug("attn-scale-wrong", "1/sqrt(head_dim) used where `query_pre_attn_scalar` rules, or the reverse",
+        "attention scaled by 1/sqrt(head_dim)", "subtle",
+        "ggml-org/llama.cpp PR #8197, #8444, #13951; google/gemma_pytorch #71",
+        lambda m: _has(m, lambda a: abs(a["scale"] - _plain_scale(a)) > 1e-9 * a["scale"]), _scale_wrong, op="attn.scores"),
+    Bug("embed-scale-dropped", "embeddings not multiplied by sqrt(hidden)",
+        "embeddings without their sqrt(hidden) scale", "garbage at once",
+        "vllm-project/vllm PR #48010",
+        lambda m: m["embedding"]["scale"] != 1.0, _embed_scale_dropped),
+    Bug("gelu-variant-swapped", "exact GELU where tanh GELU is meant, or the reverse",
+        "the MLP with the other GELU variant", "subtle",
+        "huggingface/transformers PR #29402; vllm-project/vllm #3337; ml-explore/mlx-examples #579",
+        lambda m: any(s["activation"] in GELU_SWAP for s in _activations(m)), _swap(GELU_SWAP), op="mlp.act"),
+    Bug("activation-swapped", "silu where gelu is meant, or the reverse", "the MLP with the wrong activation",
+        "garbage at once", "huggingface/candle #3745",
+        lambda m: any(l["mlp"]["gated"] for l in m["layers"]), _swap(ACT_SWAP), op="mlp.act"),
+    Bug("rope-permuted", "q/k rotated as interleaved pairs where the checkpoint is half-split, or the reverse",
+        "RoPE applied in the other pairing (half-split vs interleaved)", "garbage at once",
+        "ggml-org/llama.cpp #2376, PR #3364; ml-explore/mlx-examples #170; karpathy/llama2.c #286",
+        lambda m: _has(m, lambda a: a["rope"] is not None), _rope_permuted, op="attn.q_rope",
+        # a side that restores permuted q/k rows to the checkpoint's order (llama.cpp: parity/ports/gguf/ops.py) shows
+        # rows written in the other layout at the projection already
+        also=("attn.q",)),
+    Bug("rope-theta-wrong", "RoPE base not taken from the config (e.g. 10000)",
+        "RoPE with a different base", "degrades on long prompts",
+        "ggml-org/llama.cpp PR #2768, #2773; vllm-project/vllm PR #29111; stanford-crfm/levanter #649",
+        lambda m: _has(m, lambda a: a["rope"] is not None), _theta_wrong, op="attn.q_rope"),
+    Bug("sliding-window-ignored", "sliding-window layers attend globally",
+        "sliding-window layers attending globally", "degrades on long prompts",
+        "vllm-project/vllm PR #5908, #2064; ggml-org/llama.cpp #3371, #3377, PR #8227; sgl-project/sglang PR #4823",
+        lambda m: _has(m, lambda a: bool(a["sliding_window"])), _window_ignored, op="attn.scores"),
+    Bug("qkv-bias-dropped", "q/k/v biases skipped", "attention without its q/k/v biases", "garbage at once",
+        "EricLBuehler/candle-vllm #167",
+        lambda m: any(n.split(".", 2)[2] in ("attn.q.bias", "attn.k.bias", "attn.v.bias", "attn.q_a.bias",
+                                               "attn.kv_a.bias") for n in m["tensors"] if n.startswith("layers.")),
+        _qkv_bias_dropped, op="attn.q"),
+    Bug("conv1d-not-transposed", "GPT-2 Conv1D weights used as `[out, in]` without transposing",
+        "the Conv1D weights used untransposed", "garbage at once",
+        "AutoGPTQ/AutoGPTQ PR #139; karpathy/nanoGPT model.py (its explicit Conv1D transpose list)",
+        lambda m: bool(_conv1d(m)), _conv1d_not_transposed, op="attn.q"),
+    Bug("tied-embeddings-broken", "lm_head not tied to the embeddings where the config ties them",
+        "an LM head that is not the embedding matrix", "garbage at once",
+        "NVIDIA/TensorRT-LLM PR #1799, #1733, #2585; arcee-ai/mergekit #350, #615; sgl-project/sglang #630",
+        lambda m: bool(m["head"] and m["head"]["tied"]), _untied),
+    Bug("mla-norm-dropped", "`q_a_layernorm` / `kv_a_layernorm` skipped", "MLA without its two latent norms",
+        "garbage at once", "no public instance found",
+        lambda m: _has(m, lambda a: a["mla"] is not None), _mla_dropped, op="attn.q"),
+    # KV-cache mistakes: the prefill is right, decode steps are not
+    Bug("decode-position-offset", "decode steps placed one position late (the new token counted twice)",
+        "decode steps at positions shifted by one", "decode only", "no public instance found",
+        decodes, _cache_policy(position_offset=1), decode=True),
+    Bug("sliding-window-cache-off-by-one", "a sliding-window cache that wraps one slot early",
+        "a sliding-window cache holding one key fewer than the window", "decode only", "no public instance found",
+        lambda m: decodes(m) and _has(m, lambda a: bool(a["sliding_window"])), _cache_policy(window_slack=-1),
+        decode=True),
+    Bug("kv-cache-wrong-layer", "each layer's keys and values written to the next layer's cache slot",
+        "layers reading another layer's cached keys and values", "decode only", "no public instance found",
+        lambda m: decodes(m) and len(m["layers"]) > 1 and _uniform_kv(m), _cache_policy(layer_shift=1),
+        decode=True),
+    Bug("decode-softcap-dropped", "the decode kernel skips the attention softcap the prefill applies",
+        "decode steps without the attention softcap", "decode only", "no public instance found",
+        lambda m: decodes(m) and _has(m, lambda a: bool(a["softcap"])), _cache_policy(decode_softcap=False),
+        decode=True),
+    Bug("kv-heads-order-swapped", "cached kv heads stored in another order (GQA groups read the wrong head)",
+        "cached keys and values with their kv heads reversed", "decode only", "no public instance found",
+        lambda m: decodes(m) and _has(m, lambda a: a["mla"] is None and a["kv_shared_from"] is None
+                                       and a["kv_heads"] > 1), _cache_policy(kv_head_order="reversed"),
+        decode=True),
+]
+
+BY_ID = {b.id: b for b in CATALOG}
+
+
+def get(bug_id: str) -> Bug:
+    if bug_id not in BY_ID:
+        raise ParityError(f"unknown bug id {bug_id!r}; `parity bugs` lists them: {', '.join(BY_ID)}")
+    return BY_ID[bug_id]
+
+
+def applicable(manifest: dict) -> list[Bug]:
+    return [b for b in CATALOG if b.applies(manifest)]
+
+
+def inject(bug_id: str, manifest: dict, tensors: Tensors, families: dict[str, list[str]] | None = None
+           ) -> tuple[dict, Tensors]:
+    """A copy of (manifest, tensors) with the mistake applied; exit 2 if it does not apply."""
+    bug = get(bug_id)
+    if not bug.applies(manifest):
+        where = f" it applies to {', '.join(families[bug_id])}" if families else ""
+        raise ParityError(f"bug {bug_id} does not apply to this {manifest['source']['family']} model;{where}")
+    m, t = copy.deepcopy(manifest), dict(tensors)
+    bug.inject(m, t)
+    m["injected"] = bug_id
+    return m, t
+
+
+def families() -> dict[str, list[str]]:
+    """Bug id -> the families (by their tiny checkpoints' manifests) it applies to."""
+    from parity.adapter import load_all
+    from parity.reference.tiny import tiny_manifest
+
+    out: dict[str, list[str]] = {b.id: [] for b in CATALOG}
+    for family, adapter in load_all().items():
+        manifest = tiny_manifest(adapter)
+        for b in applicable(manifest):
+            out[b.id].append(family)
+    return out

@@ -1,0 +1,1 @@
+"""The neutral layout: its converter, its manifest, and the executor that runs it."""

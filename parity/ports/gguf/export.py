@@ -1,0 +1,326 @@
+"""``parity convert --to gguf``: a Hugging Face checkpoint as a GGUF file llama.cpp runs.
+
+The tensors are the neutral layout's (``1 + w`` norms folded, q/k rows laid out for the RoPE kernel of
+llama.cpp's architecture: the adapter's ``[gguf]`` section), renamed to llama.cpp's names
+(``blk.{i}.attn_q.weight``, ...), as ``convert_hf_to_gguf.py`` writes them. Static RoPE scaling (llama3) is
+written as llama.cpp reads it: per-pair frequency divisors in ``rope_freqs.weight``. Matrices are stored as
+F32, F16 or Q8_0 (gguf-py), or in a type llama.cpp's own quantizer makes (Q4_0 ... Q6_K, the K-quant mixes:
+parity/ports/gguf/quantize.py); norms and other vectors stay F32, as llama.cpp requires. The result states the type
+each tensor got, read back from the written file's header.
+
+The checkpoint's byte-level BPE vocabulary is written as llama.cpp's "gpt2" tokenizer with its default
+pre-tokenizer (``tokenizer.ggml.model = "none"`` without one): parity feeds the reference's token ids either way,
+and the check reports where llama.cpp's own tokenizer would have split the prompt otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from parity.storage import atomic
+from parity.checkpoint import open_checkpoint
+from parity.errors import ParityError
+from parity.ports.gguf.file import header_types
+from parity.ports.gguf.quantize import LLAMA_TYPES, ftype, quantize, summary
+from parity.storage.jsonfile import read_json
+
+# neutral name -> llama.cpp's (gguf-py's MODEL_TENSOR names), {i} the layer
+NAMES = {
+    "embed.tokens.weight": "token_embd.weight",
+    "final_norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "layers.{i}.attn_norm.weight": "blk.{i}.attn_norm.weight",
+    "layers.{i}.attn.q.weight": "blk.{i}.attn_q.weight",
+    "layers.{i}.attn.q.bias": "blk.{i}.attn_q.bias",
+    "layers.{i}.attn.k.weight": "blk.{i}.attn_k.weight",
+    "layers.{i}.attn.k.bias": "blk.{i}.attn_k.bias",
+    "layers.{i}.attn.v.weight": "blk.{i}.attn_v.weight",
+    "layers.{i}.attn.v.bias": "blk.{i}.attn_v.bias",
+    "layers.{i}.attn.o.weight": "blk.{i}.attn_output.weight",
+    "layers.{i}.attn.o.bias": "blk.{i}.attn_output.bias",
+    "layers.{i}.attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "layers.{i}.attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+    "layers.{i}.mlp_norm.weight": "blk.{i}.ffn_norm.weight",
+    "layers.{i}.attn_post_norm.weight": "blk.{i}.post_attention_norm.weight",
+    "layers.{i}.mlp_post_norm.weight": "blk.{i}.post_ffw_norm.weight",
+    "layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate.weight",
+    "layers.{i}.mlp.up.weight": "blk.{i}.ffn_up.weight",
+    "layers.{i}.mlp.down.weight": "blk.{i}.ffn_down.weight",
+}
+TYPES = ("F32", "F16", "Q8_0")  # written by gguf-py; LLAMA_TYPES by llama.cpp from an F32 (or F16) file
+QUANTIZE_ROWS = 1024  # rows quantized to Q8_0 at a time, from float32
+_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+
+
+def gguf_name(name: str) -> str | None:
+    m = _LAYER.match(name)
+    if m is None:
+        return NAMES.get(name)
+    out = NAMES.get(f"layers.{{i}}.{m.group(2)}")
+    return out and out.replace("{i}", m.group(1))
+
+
+def neutral_name(name: str) -> str | None:
+    """The neutral name of a llama.cpp tensor name (None: not one parity writes)."""
+    m = re.match(r"^blk\.(\d+)\.(.*)$", name)
+    for neutral, gguf in NAMES.items():
+        if m is None and gguf == name:
+            return neutral
+        if m is not None and gguf == f"blk.{{i}}.{m.group(2)}":
+            return neutral.replace("{i}", m.group(1))
+    return None
+
+
+def _rope_freqs(rope: dict) -> torch.Tensor | None:
+    """llama.cpp divides each unscaled frequency by rope_freqs[k]: the static scaling as divisors (None: none)."""
+    from parity.rope import LENGTH_DEPENDENT, inv_freq
+
+    scaling = rope.get("scaling")
+    if not scaling:
+        return None
+    if scaling.get("rope_type") in LENGTH_DEPENDENT:
+        raise ParityError(f"RoPE scaling {scaling.get('rope_type')!r} depends on the length; --to gguf writes static "
+                          f"scalings only (llama3, linear)")
+    scaled, attention = inv_freq(rope)
+    if attention != 1.0:
+        raise ParityError(f"RoPE scaling {scaling.get('rope_type')!r} scales attention ({attention:g}); --to gguf "
+                          f"does not write it yet")
+    plain, _ = inv_freq({**rope, "scaling": None})
+    return (plain / scaled).float()
+
+
+def vocabulary(directory: Path, size: int) -> tuple[list[str], list[str]] | None:
+    """The checkpoint's byte-level BPE vocabulary as llama.cpp's "gpt2" tokenizer reads it: (tokens by id, padded
+    to the model's vocabulary, and merges); None without a tokenizer.json of that kind."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path, "")
+    except ParityError:  # an unreadable tokenizer.json is no vocabulary, as a missing one
+        return None
+    model = (data.get("model") if isinstance(data, dict) else None) or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return None
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    for token, i in {**model["vocab"], **{t["content"]: t["id"] for t in data.get("added_tokens") or []}}.items():
+        if isinstance(i, int) and 0 <= i < size:
+            tokens[i] = token
+    # llama.cpp refuses a BPE vocabulary without merges; a byte-level one (the tiny checkpoints') gets one that can
+    # never apply: its halves are two-symbol strings that only a merge could form
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []] or ["\u0120\u0120 \u0120\u0120"]
+    return tokens, merges
+
+
+def _one(values: list, what: str, arch: str):
+    """The single value a GGUF key holds for every layer it applies to."""
+    distinct = {repr(v): v for v in values}
+    if len(distinct) > 1:
+        raise ParityError(f"{what} differs between layers ({', '.join(distinct)}); llama.cpp's {arch} holds one")
+    return next(iter(distinct.values()), None)
+
+
+def _metadata(writer, manifest: dict, spec) -> dict | None:
+    """Write the hyperparameters llama.cpp reads; returns the RoPE of the (global) layers, for rope_freqs."""
+    arch = spec.arch
+    layers = manifest["layers"]
+    atts = [layer["attention"] for layer in layers]
+    att = atts[0]
+    _one([(a["heads"], a["kv_heads"], a["head_dim"]) for a in atts], "the heads or head_dim", arch)
+    intermediate = _one([layer["mlp"]["intermediate_size"] for layer in layers], "the MLP width", arch)
+    if any(a["mla"] is not None for a in atts) or any(layer["mlp"]["moe"] for layer in layers):
+        raise ParityError(f"MLA and MoE layers are not written to GGUF yet (architecture {arch!r})")
+    for i, a in enumerate(atts):
+        if abs(a["scale"] - a["head_dim"] ** -0.5) > 1e-9 * a["scale"]:
+            raise ParityError(f"layer {i}: attention scale {a['scale']:g} is not head_dim ** -0.5 = "
+                              f"{a['head_dim'] ** -0.5:g}; llama.cpp's {arch} computes 1/sqrt(head_dim) (it does not "
+                              f"read query_pre_attn_scalar), so this model cannot be written for it")
+    windowed = [a["sliding_window"] is not None for a in atts]
+    softcap = _one([a["softcap"] for a in atts], "the attention softcap", arch)
+    final_softcap = (manifest["head"] or {}).get("softcap")
+    if (any(windowed) and not spec.windows) or ((softcap or final_softcap) and not spec.softcaps):
+        raise ParityError(f"llama.cpp's {arch} has no sliding window or softcap; this model has one")
+    specs = [n for layer in layers for n in (*layer["norms"].values(), layer["attention"]["q_norm"],
+                                             layer["attention"]["k_norm"]) if n] + [manifest["final_norm"]]
+    eps = _one([n["eps"] for n in specs if n], "the norms' eps", arch)  # llama.cpp holds one for every norm
+    writer.add_context_length(manifest["embedding"]["max_positions"])
+    writer.add_embedding_length(manifest["hidden_size"])
+    writer.add_block_count(manifest["num_layers"])
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(att["heads"])
+    writer.add_head_count_kv(att["kv_heads"])
+    writer.add_key_length(att["head_dim"])
+    writer.add_value_length(att["head_dim"])
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_vocab_size(manifest["vocab_size"])
+    if any(windowed):
+        writer.add_sliding_window(_one([a["sliding_window"] for a in atts if a["sliding_window"] is not None],
+                                       "the sliding window", arch))
+        writer.add_sliding_window_pattern(windowed)  # per layer: llama.cpp's default patterns are not assumed
+    if softcap:
+        writer.add_attn_logit_softcapping(softcap)
+    if final_softcap:
+        writer.add_final_logit_softcapping(final_softcap)
+    ropes = [a["rope"] for a in atts]
+    if all(r is None for r in ropes):
+        return None
+    full = [r for r, w in zip(ropes, windowed) if not w] or ropes
+    rope = _one(full, "RoPE", arch)
+    writer.add_rope_dimension_count(rope["rotary_dim"])
+    writer.add_rope_freq_base(rope["theta"])
+    local = [r for r, w in zip(ropes, windowed) if w]
+    if local:
+        swa = _one(local, "the sliding layers' RoPE", arch)
+        if {**swa, "theta": rope["theta"]} != rope or (swa["theta"] != rope["theta"] and not spec.local_rope_base):
+            raise ParityError(f"the sliding layers rotate otherwise than the others (theta {swa['theta']:g}, "
+                              f"scaling {swa.get('scaling')}); llama.cpp's {arch} takes a different base only")
+        if spec.local_rope_base:
+            writer.add_rope_freq_base_swa(swa["theta"])
+    return rope
+
+
+# Catalogued mistakes a GGUF file can carry (--inject): its metadata (rope.freq_base, layer_norm_rms_epsilon), its
+# q/k row layout, or its norm weights. The others (an activation, a softcap skipped) live in llama.cpp's code.
+INJECTABLE = ("rope-permuted", "rope-theta-wrong", "norm-eps-wrong", "norm-offset-dropped", "norm-offset-added")
+
+
+def _injected(bug: str, manifest: dict, tensors: dict[str, torch.Tensor], source_style: str
+              ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(manifest, tensors) with the mistake, as llama.cpp would meet it in a file.
+
+    ``rope-permuted`` is a port rotating the checkpoint's stored q/k rows in the other pairing than the one they
+    are stored for. llama.cpp's pairing is fixed, so the file holds rows that, rotated in llama.cpp's pairing,
+    rotate as the stored rows would in the wrong one: the stored rows restyled from the wrong pairing to llama.cpp's.
+    """
+    from parity.diagnosis import bugs
+    from parity.neutral.converter import restyle_rope
+
+    if bug not in INJECTABLE:
+        raise ParityError(f"--inject {bug}: a GGUF file can carry {', '.join(INJECTABLE)}; the others are in "
+                          f"llama.cpp's code, not its file")
+    m, t = bugs.inject(bug, manifest, tensors)
+    if bug == "rope-permuted":
+        wrong = "interleaved" if source_style == "half" else "half"
+        for name in list(t):
+            if name.startswith("layers."):
+                layer = manifest["layers"][int(name.split(".")[1])]
+                if layer["attention"]["rope"] is not None:
+                    ours = layer["attention"]["rope"]["style"]  # llama.cpp's pairing, as written
+                    stored = restyle_rope(name, t[name], layer, ours, source_style)
+                    t[name] = restyle_rope(name, stored, layer, wrong, ours)
+        m = {**m, "layers": manifest["layers"]}  # the file states llama.cpp's pairing; the rows carry the mistake
+    return m, t
+
+
+def _add_vocabulary(writer, vocab: tuple[list, list] | None) -> None:
+    """The file's tokenizer: llama.cpp's byte-level BPE with the default pre-tokenizer (the check reports any other
+    tokenization), or "none" (parity feeds token ids; a file without a vocabulary says so)."""
+    import gguf
+
+    if vocab is None:
+        writer.add_tokenizer_model("none")
+        return
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab[0])
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(vocab[0]))
+    writer.add_token_merges(vocab[1])
+    writer.add_add_bos_token(False)
+
+
+def _encoded(x: torch.Tensor, matrix):
+    """A tensor's data as gguf-py takes it, matrices in type ``matrix`` and vectors F32: (data, its raw GGML type
+    for quantized data, else None)."""
+    import gguf
+    import numpy as np
+
+    kind = matrix if x.dim() == 2 else gguf.GGMLQuantizationType.F32
+    if kind == gguf.GGMLQuantizationType.Q8_0 and x.shape[-1] % 32:
+        kind = gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of 32; llama.cpp's converter falls back too
+    if kind == gguf.GGMLQuantizationType.Q8_0:
+        rows = [gguf.quants.quantize(part.float().numpy(), kind) for part in x.split(QUANTIZE_ROWS)]
+        return np.concatenate(rows), kind
+    return x.to(torch.float16 if kind == gguf.GGMLQuantizationType.F16 else torch.float32).numpy(), None
+
+
+def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, adapter_dirs=(),
+           inject: str | None = None) -> dict:
+    """Write checkpoint ``path`` as the GGUF file ``out`` (with a catalogued mistake: ``inject``), its matrices
+    in ``qtype`` (one of TYPES, or LLAMA_TYPES: quantized by llama.cpp from the file written at F32, or F16 for a
+    float16 checkpoint, beside ``out``). Returns the architecture, the family, ``tensors`` {name: GGML type}
+    and ``summary`` (the types counted), as the written file's header states them."""
+    try:
+        import gguf
+    except ImportError:
+        raise ParityError("--to gguf writes with gguf-py: pip install 'parity[llama]' (or pip install gguf)") from None
+
+    from parity.neutral.converter import build_manifest, neutral_tensors, source_dtype
+
+    if qtype not in TYPES and qtype not in LLAMA_TYPES:
+        raise ParityError(f"--gguf-type {qtype!r} is not one the exporter makes: {', '.join((*TYPES, *LLAMA_TYPES))}")
+    if qtype in LLAMA_TYPES:
+        ftype(qtype)  # llama-cpp-python and the type are there, before anything is written
+    ckpt = open_checkpoint(Path(path), adapter_dirs)
+    spec = ckpt.adapter.spec.gguf
+    if spec is None:
+        from parity.adapter import load_all
+
+        able = [f for f, a in load_all(adapter_dirs).items() if a.spec.gguf is not None]
+        raise ParityError(f"{path}: parity does not export {ckpt.resolved.family} to GGUF (its adapter has no [gguf] "
+                          f"section); families it does: {', '.join(able)}")
+    from parity.neutral.converter import check_convertible
+
+    check_convertible(ckpt)
+    check = ckpt.check()
+    # llama.cpp quantizes from a file written first: F16 where that is the checkpoint's own type, else F32
+    plain = ("F16" if source_dtype(ckpt, check) == torch.float16 else "F32") if qtype in LLAMA_TYPES else qtype
+    # tensors come out of the checkpoint at the type they are written in (F16), or at their own (quantized from
+    # float32 a block of rows at a time): a float32 copy of a bf16 model's embedding would double the peak
+    work = {"F32": torch.float32, "F16": torch.float16}.get(plain) or source_dtype(ckpt, check)
+    manifest = build_manifest(ckpt, work, spec.rope_style, check.prefix, hashes=False)
+    for info in manifest["tensors"].values():  # vectors (norms with 1 + w folded, biases) are written F32, unrounded
+        if len(info["shape"]) == 1:
+            info["dtype"] = "float32"
+    if manifest["head"] is None:
+        raise ParityError(f"{path}: a model without an LM head cannot run in llama.cpp")
+    matrix, file_type = {"F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+                         "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+                         "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}[plain]
+    tensors = neutral_tensors(ckpt, manifest)
+    if inject is not None:  # a broken twin, for tests and selftests: small models, held whole
+        manifest, held = _injected(inject, manifest, dict(tensors), ckpt.resolved["positions.rope_style"])
+        tensors = iter(held.items())
+    with atomic.output_file(Path(out), force=force, companions=()) as tmp:
+        # the file llama.cpp quantizes is a temporary too, in the same directory: removed with it on any error
+        first = tmp / (Path(out).name if plain == qtype else f"unquantized-{plain}.gguf")
+        writer = gguf.GGUFWriter(first, spec.arch, use_temp_file=True)
+        # tensor data goes to a file on disk as each tensor is added (gguf-py's own spooled temp file keeps the
+        # first 256 MB in memory and copies it when it rolls over: twice the largest tensor, or more)
+        writer.temp_file = spill = open(tmp / "tensors.spill", "w+b")
+        writer.add_name(f"{ckpt.path.name} (parity convert --to gguf)")
+        writer.add_file_type(file_type)
+        rope = _metadata(writer, manifest, spec)
+        _add_vocabulary(writer, vocabulary(ckpt.path, manifest["vocab_size"]))
+        factors = _rope_freqs(rope or {})
+        if factors is not None:
+            writer.add_tensor("rope_freqs.weight", factors.numpy())
+        for name, x in tensors:
+            target = gguf_name(name)
+            if target is None:
+                raise ParityError(f"{path}: neutral tensor {name} has no llama.cpp name in parity/ports/gguf/export.py")
+            data, raw = _encoded(x, matrix)
+            writer.add_tensor(target, data, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()  # copies the spill file into place, and closes it
+        writer.close()
+        Path(spill.name).unlink()
+        if plain != qtype:
+            quantize(first, tmp / Path(out).name, qtype)
+            first.unlink()
+        header = header_types(tmp / Path(out).name)  # what each tensor got: llama.cpp's mix and fallbacks
+    return {"arch": spec.arch, "type": qtype, "tensors": {name: h[0] for name, h in header.items()},
+            "summary": summary(qtype, header), "family": ckpt.resolved.family}

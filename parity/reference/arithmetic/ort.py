@@ -1,0 +1,199 @@
+"""onnxruntime's CPU arithmetic for quantized graphs, emulated on a transformers model (the same-weights reference
+of an ONNX file quantized by onnxruntime: parity.ports.onnx.weights), with the interface of parity.reference.arithmetic.ggml.Arithmetic.
+
+Read from onnxruntime's CPU kernels (core/util/qmath.h, core/mlas/lib/quantize.cpp, contrib_ops/cpu/quantization:
+dynamic_quantize_matmul.cc, matmul_integer_to_float.cc, matmul_nbits.cc):
+
+- DynamicQuantizeLinear (alone, or fused into DynamicQuantizeMatMul): one uint8 scale per tensor, over the whole
+  activation: ``min = min(0, min x)``, ``max = max(0, max x)``, ``scale = (max - min) / 255`` in float32,
+  ``zp = round_half_even(clamp(-min / scale, 0, 255))``; ``q = clamp(round_half_even(x / scale) + zp)`` (MLAS
+  divides, it does not multiply by a reciprocal).
+- MatMulInteger (or MatMulIntegerToFloat): the integer products summed exactly in int32, then
+  ``float(acc) * float32(a_scale * b_scale)``: exact, so emulated exactly here (float64 holds every int32 sum).
+  x86 without VNNI sums u8 x s8 pairs in int16 with saturation (vpmaddubsw); that is not emulated (see the README).
+- QDQ: QuantizeLinear with the graph's static scale and zero point, the same division and rounding, saturated to
+  int8 or uint8; DequantizeLinear ``(q - zp) * scale``; the MatMul between them in float32 (onnxruntime 1.32 on
+  x86 leaves DQ -> MatMul unfused for int8 activations: torch's float32 product of the dequantized values equals
+  its output bit for bit). Where a projection's output carries a Q/DQ pair too, it is rounded before the bias is
+  added (the graph adds the bias after it).
+- MatMulNBits (matmul_nbits.cc GetComputeType): accuracy_level unset (0) or 1..3 computes in float32 on the
+  dequantized weights (SQNBIT_CompFp32), so nothing is rounded beyond the weights; level 4 (SQNBIT_CompInt8, where
+  MLAS has the kernel) first rounds each activation row in blocks of the weight's block size
+  (QuantizeARow_CompInt8: ``scale = amax / 127``, ``q = round_half_even(a * (127 / amax))``, the tail block padded
+  with zeros); the int8 x int4 block products are exact, their float32 sums are not reproduced.
+
+What is left against onnxruntime is float32 summation order outside the integer matmuls, and the rounding
+boundaries it moves an activation across.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Iterator
+
+import torch
+
+ENGINE = "onnxruntime (CPU)"
+OUTPUT = "@output"    # the model's output embeddings (as parity.reference.arithmetic.ggml.OUTPUT)
+RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, kind: str) -> torch.Tensor:
+    """QuantizeLinear as MLAS computes it: x / scale in float32, rounded half to even, plus the zero point,
+    saturated (float values of the integers)."""
+    lo, hi = RANGES[kind]
+    return torch.clamp(torch.round(x.float() / scale) + zero_point, lo, hi)
+
+
+def dynamic_parameters(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DynamicQuantizeLinear's uint8 scale and zero point of the whole tensor ``x`` (float32 scalars)."""
+    x = x.float()
+    lo = torch.clamp(x.min(), max=0.0)
+    hi = torch.clamp(x.max(), min=0.0)
+    scale = torch.where(hi == lo, torch.ones_like(hi), (hi - lo) / 255.0)
+    zero_point = torch.round(torch.clamp(-lo / scale, 0.0, 255.0))
+    return scale, zero_point
+
+
+def fake_quantize(x: torch.Tensor, spec: dict) -> torch.Tensor:
+    """x through a static QuantizeLinear / DequantizeLinear pair (``spec``: scale, zero_point, type)."""
+    scale = torch.tensor(spec["scale"], dtype=torch.float32, device=x.device)
+    zp = torch.tensor(spec["zero_point"], dtype=torch.float32, device=x.device)
+    return ((quantize(x, scale, zp, spec["type"]) - zp) * scale).to(x.dtype)
+
+
+def int8_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x's rows as MLAS's CompInt8 kernels see them: int8 blocks of ``block`` along the last dimension, each
+    ``q * (amax / 127)`` (QuantizeARow_CompInt8: 127 / amax computed in one division, rounded half to even)."""
+    x = x.float()
+    k = x.shape[-1]
+    pad = (-k) % block
+    b = torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, block)
+    amax = b.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(b * inverse)
+    return (q * (amax / 127.0)).reshape(*x.shape[:-1], -1)[..., :k]
+
+
+def integer_matmul(x: torch.Tensor, weight: torch.Tensor, spec: dict) -> torch.Tensor:
+    """A quantized projection without its bias, as MatMulInteger / MatMulIntegerToFloat computes it: ``x``'s
+    quantization (dynamic, or the static one of ``spec["input"]``) times the weight's integers (recovered from the
+    dequantized ``weight`` [out, in] and its scales), summed exactly, times float32(a_scale * b_scale)."""
+    x = x.float()
+    if spec["input"].get("dynamic"):
+        scale, zp = dynamic_parameters(x)
+        kind = "uint8"
+    else:
+        scale = torch.tensor(spec["input"]["scale"], dtype=torch.float32, device=x.device)
+        zp = torch.tensor(spec["input"]["zero_point"], dtype=torch.float32, device=x.device)
+        kind = spec["input"]["type"]
+    qx = (quantize(x, scale, zp, kind) - zp).double()
+    w_scale = torch.tensor(spec["weight_scale"], dtype=torch.float32, device=x.device).reshape(-1, 1)
+    qw = torch.round(weight.double() / w_scale.double())  # the dequantized weight is (q - zp) * scale in float32
+    acc = (qx @ qw.T).float()
+    return acc * (scale * w_scale.reshape(-1))
+
+
+@dataclass
+class OrtArithmetic:
+    """What onnxruntime's CPU computes differently from float32 for one quantized graph: each projection's kernel
+    and roundings (by the transformers module path), and the static Q/DQ pairs that sit on capture points (the
+    graph outputs the quantizer rounded)."""
+
+    matmuls: dict[str, dict] = field(default_factory=dict)
+    points: dict[str, dict] = field(default_factory=dict)
+    engine: str = ENGINE
+
+    @property
+    def rounds(self) -> bool:
+        return bool(self.points) or any(s.get("input") or s.get("output") for s in self.matmuls.values())
+
+    def to_json(self) -> dict:
+        ops: dict[str, int] = {}
+        for spec in self.matmuls.values():
+            name = spec["op"] + (f" x {spec['activations']}" if spec.get("activations") else "")
+            ops[name] = ops.get(name, 0) + 1
+        return {"engine": self.engine, "matmuls": ops, "gelu": "computed",
+                "points rounded": sorted(self.points)}
+
+    def save(self, out: Path) -> None:
+        from parity.reference.arithmetic.ggml import FILE
+
+        (Path(out) / FILE).write_text(json.dumps({"engine": self.engine, "matmuls": self.matmuls,
+                                                  "points": self.points}))
+
+    @staticmethod
+    def load(path: Path) -> OrtArithmetic | None:
+        """The onnxruntime arithmetic saved beside a same-weights reference, or None where there is none (or
+        llama.cpp's: parity.reference.arithmetic.ggml.Arithmetic.load)."""
+        from parity.reference.arithmetic.ggml import FILE
+
+        found = Path(path) / FILE
+        data = json.loads(found.read_text()) if found.is_file() else {}
+        return OrtArithmetic.from_json(data) if str(data.get("engine", "")).startswith("onnxruntime") else None
+
+    @staticmethod
+    def from_json(data: dict) -> OrtArithmetic:
+        return OrtArithmetic(dict(data["matmuls"]), dict(data.get("points") or {}), data["engine"])
+
+    @contextmanager
+    def emulate(self, model: torch.nn.Module) -> Iterator[None]:
+        """``model``'s forwards, while inside, compute as onnxruntime's CPU kernels do (the module docstring).
+        The hooks run before any other (capture hooks see the rounded values, as the graph's outputs are)."""
+        handles = []
+        try:
+            for path, spec in self.matmuls.items():
+                if spec.get("input") or spec.get("output"):
+                    module = model.get_output_embeddings() if path == OUTPUT else model.get_submodule(path)
+                    handles.append(module.register_forward_hook(_projection(spec), prepend=True))
+            for spec in self.points.values():
+                handles.append(_round_point(model, spec))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _projection(spec: dict):
+    """A linear module's forward hook: its output recomputed as the kernel computes it."""
+    def post(mod, args, out):
+        x = args[0]
+        if spec.get("integer"):
+            y = integer_matmul(x, mod.weight, spec)
+        elif (spec.get("input") or {}).get("blocks"):
+            xin = int8_blocks(x, spec["input"]["blocks"])
+            y = torch.nn.functional.linear(xin, mod.weight.float())
+        else:
+            xin = fake_quantize(x.float(), spec["input"]) if spec.get("input") else x.float()
+            y = torch.nn.functional.linear(xin, mod.weight.float())
+        if spec.get("output"):
+            y = fake_quantize(y, spec["output"])
+        if getattr(mod, "bias", None) is not None:
+            y = y + mod.bias.float()
+        return y.to(out.dtype)
+
+    return post
+
+
+def _round_point(model: torch.nn.Module, spec: dict):
+    """A hook rounding a capture point's value where the adapter's capture map reads it (a module's input or
+    output), so that the point and everything that reads it see the graph's rounded value."""
+    from parity.reference.capture import input_value, with_input
+
+    module = model.get_submodule(spec["module"])
+    if spec["io"] == "input":
+        def pre(mod, args, kwargs):
+            value = input_value(mod, spec.get("arg"), args, kwargs)
+            return with_input(mod, spec.get("arg"), args, kwargs, fake_quantize(value, spec))
+        return module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+
+    def post(mod, args, out):
+        if isinstance(out, torch.Tensor):
+            return fake_quantize(out, spec)
+        if isinstance(out, tuple) and spec.get("field") in (None, 0):
+            return (fake_quantize(out[0], spec), *out[1:])
+        return None  # a point inside a richer output: left as computed (none of parity's quantized points)
+    return module.register_forward_hook(post, prepend=True)

@@ -1,0 +1,1 @@
+"""Bytes on disk: atomic outputs, JSON files, the safetensors reader and writer, lazy tensors and block-scaled FP8."""
