@@ -27,14 +27,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parity import names
-from parity.adapter.files import (
-    ENV_VAR, Adapter, builtin_dir, derive_order, load_adapter, load_all, resolved_data, search_path)
-from parity.adapter.schema import (
-    ACTIVATIONS, ATTENTION_FIELDS, BUFFER_KINDS, CHOICES, OPTIONAL, SECTIONS, AdapterFile, AttentionConvention,
-    Buffer, CapturePoint, EmbeddingConvention, GGUFExport, MLPConvention, NormConvention, NormModule, OpPoint, Param,
-    PositionConvention, Split, TensorEntry, Tiny, Value, Variant)
-from parity.errors import ParityError
 from parity.adapter.expr import ExprError, evaluate, free_names
+from parity.adapter.files import (
+    ENV_VAR,
+    Adapter,
+    builtin_dir,
+    derive_order,
+    load_adapter,
+    load_all,
+    resolved_data,
+    search_path,
+)
+from parity.adapter.schema import (
+    ACTIVATIONS,
+    ATTENTION_FIELDS,
+    BUFFER_KINDS,
+    CHOICES,
+    OPTIONAL,
+    SECTIONS,
+    AdapterFile,
+    AttentionConvention,
+    Buffer,
+    CapturePoint,
+    EmbeddingConvention,
+    GGUFExport,
+    MLPConvention,
+    NormConvention,
+    NormModule,
+    OpPoint,
+    Param,
+    PositionConvention,
+    Split,
+    TensorEntry,
+    Tiny,
+    Value,
+    Variant,
+)
+from parity.errors import ParityError
 
 __all__ = [
     "ACTIVATIONS", "ATTENTION_FIELDS", "BUFFER_KINDS", "CHOICES", "ENV_VAR", "OPTIONAL", "SECTIONS", "Adapter",

@@ -39,9 +39,9 @@ from typing import Any, Iterable, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from parity import names
+from parity.adapter.expr import ExprError, compile_expr, free_names
 from parity.adapter.schema import CHOICES, SECTIONS, AdapterFile, Param
 from parity.errors import ParityError
-from parity.adapter.expr import ExprError, compile_expr, free_names
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from parity.adapter.expr import compile_expr
 
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from parity.reference.capture import ATTENTION
 from parity.checkpoint import inventory, open_checkpoint, refuse_mismatched, weight_files
 from parity.errors import ParityError
+from parity.reference.capture import ATTENTION
 from parity.reference.models import hf_decoder, hf_runner
 
 KIND = "transformers"

@@ -433,8 +433,8 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
-    from parity.reference.arithmetic.ggml import Arithmetic
     from parity.ports.same_weights import write_reference
+    from parity.reference.arithmetic.ggml import Arithmetic
     from parity.storage.lazy import Dequantizer
 
     directory = model_dir(Path(path), conversion_settings(Path(path), engine))

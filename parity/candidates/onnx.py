@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from parity import names
-from parity.ports.graph_ops import match_ops, missing_note, read_ops, wanted_ops
-from parity.ports.onnx.graph import Graph, Matching, hidden_width, match, vocabulary
 from parity.checkpoint import inside as in_directory
 from parity.errors import ParityError
+from parity.ports.graph_ops import match_ops, missing_note, read_ops, wanted_ops
+from parity.ports.onnx.graph import Graph, Matching, hidden_width, match, vocabulary
 
 KIND = "onnx"
 TAKES = "an ONNX graph (.onnx)"

@@ -10,15 +10,15 @@ from typing import Callable
 
 import torch
 
-from parity.compare import logit_metrics
-from parity.reference.decode import crossings
-from parity.errors import ParityError
-from parity.checkpoint.inputs import check_length
-from parity.reference.models import Models
-from parity.report import PointResult
 from parity.checker.judge import Judge
 from parity.checker.noise import Rounding
 from parity.checker.plan import Plan
+from parity.checkpoint.inputs import check_length
+from parity.compare import logit_metrics
+from parity.errors import ParityError
+from parity.reference.decode import crossings
+from parity.reference.models import Models
+from parity.report import PointResult
 
 
 @dataclass

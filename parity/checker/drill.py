@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Callable
 
 from parity import names, ops
-from parity.reference.models import Models
-from parity.report import PointResult, Report
 from parity.checker.plan import Plan, op_points
 from parity.checker.prefill import PromptCheck
+from parity.reference.models import Models
+from parity.report import PointResult, Report
 
 # What a layer point stands for when it is the first to diverge in a drilled layer (every op before it agreed).
 CLOSES = {

@@ -16,12 +16,12 @@ import torch
 
 from parity import candidates, names
 from parity.candidates import Kind, Options
-from parity.compare import Tolerances
-from parity.errors import ParityError
-from parity.checkpoint.inputs import Inputs
-from parity.reference.models import DTYPES, device_count, resolve_device, would_not_fit
 from parity.checker.options import CheckOptions
 from parity.checker.sides import CandidateSide, candidate_kind, open_reference
+from parity.checkpoint.inputs import Inputs
+from parity.compare import Tolerances
+from parity.errors import ParityError
+from parity.reference.models import DTYPES, device_count, resolve_device, would_not_fit
 
 
 @dataclass(frozen=True)

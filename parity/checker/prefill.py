@@ -27,13 +27,13 @@ from typing import Callable
 import torch
 
 from parity import names
+from parity.checker.judge import Judge
+from parity.checker.noise import EngineTwin, LayerInputs, NoNoise, Recorded, Twin
+from parity.checker.plan import Plan
 from parity.checkpoint import Checkpoint
 from parity.compare import CHUNK_BYTES, OnDisk, logit_metrics
 from parity.reference.models import Models, Stream, fed_points, layer_inputs
 from parity.report import PointResult
-from parity.checker.judge import Judge
-from parity.checker.noise import EngineTwin, LayerInputs, NoNoise, Recorded, Twin
-from parity.checker.plan import Plan
 
 
 @dataclass

@@ -12,16 +12,25 @@ from typing import Callable
 import torch
 
 from parity import __version__, dumps
-from parity.storage import atomic
-from parity.checkpoint import Checkpoint, open_checkpoint
-from parity.compare import Tolerances, metrics
-from parity.reference.decode import decodes, greedy, prompt_length, uncached_steps
-from parity.errors import ParityError
-from parity.reference.golden import (
-    DESCRIPTION, FORMAT, FORMAT_VERSION, STORAGE, Golden, checkpoint_sha256, is_golden, open_golden, select_points)
-from parity.checkpoint.inputs import Prompts
-from parity.reference.models import DTYPES, Models, Stream, hf_runner, layer_inputs, would_not_fit
 from parity.checker.noise import Twin
+from parity.checkpoint import Checkpoint, open_checkpoint
+from parity.checkpoint.inputs import Prompts
+from parity.compare import Tolerances, metrics
+from parity.errors import ParityError
+from parity.reference.decode import decodes, greedy, prompt_length, uncached_steps
+from parity.reference.golden import (
+    DESCRIPTION,
+    FORMAT,
+    FORMAT_VERSION,
+    STORAGE,
+    Golden,
+    checkpoint_sha256,
+    is_golden,
+    open_golden,
+    select_points,
+)
+from parity.reference.models import DTYPES, Models, Stream, hf_runner, layer_inputs, would_not_fit
+from parity.storage import atomic
 
 
 def _capture(models: Models, ckpt: Checkpoint, ids: torch.Tensor, points: list[str], dtype: str,

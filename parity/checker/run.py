@@ -20,18 +20,18 @@ from typing import Callable
 import torch
 
 from parity import candidates
-from parity.checkpoint import Checkpoint, open_checkpoint
-from parity.errors import ParityError
-from parity.checkpoint.inputs import check_length
-from parity.checkpoint.lengths import exercised
-from parity.reference.models import Models, first_device
-from parity.report import Report
 from parity.checker.drill import drill
 from parity.checker.judge import merge
 from parity.checker.options import CheckOptions
 from parity.checker.plan import Plan, engine_options, make_plan
 from parity.checker.prefill import PromptCheck
 from parity.checker.sides import candidate_kind, open_reference
+from parity.checkpoint import Checkpoint, open_checkpoint
+from parity.checkpoint.inputs import check_length
+from parity.checkpoint.lengths import exercised
+from parity.errors import ParityError
+from parity.reference.models import Models, first_device
+from parity.report import Report
 
 
 def check(reference: Path, candidate: Path, options: CheckOptions | None = None, *,

@@ -24,10 +24,9 @@ import torch
 from parity import candidates
 from parity.candidates import Candidate, Kind, Notes, Options
 from parity.checkpoint import Checkpoint, open_checkpoint, refuse_mismatched
-from parity.errors import ParityError
 from parity.checkpoint.inputs import Inputs, select_inputs
+from parity.errors import ParityError
 from parity.reference.models import Emit, Models, hf_runner, replay_steps
-
 
 
 class TransformersSide:

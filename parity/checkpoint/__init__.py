@@ -12,7 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity.adapter import (
-    Adapter, Resolved, ResolvedTensor, Variant, ignored, load_all, recognise, resolve, text_config)
+    Adapter,
+    Resolved,
+    ResolvedTensor,
+    Variant,
+    ignored,
+    load_all,
+    recognise,
+    resolve,
+    text_config,
+)
 from parity.errors import ParityError
 from parity.storage.jsonfile import read_json
 from parity.storage.quantization import FP8_DTYPES, BlockFP8, read_quantization, scale_name, scale_shape

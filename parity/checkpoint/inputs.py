@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from parity.checkpoint import Checkpoint
+from parity.checkpoint.lengths import default_length
 from parity.errors import ParityError
 from parity.storage.jsonfile import read_json
-from parity.checkpoint.lengths import default_length
 
 
 @dataclass

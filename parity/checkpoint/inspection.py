@@ -9,9 +9,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from parity.adapter import Param, Resolved, SECTIONS, Setting
-from parity.checkpoint.buffers import check_buffers
+from parity.adapter import SECTIONS, Param, Resolved, Setting
 from parity.checkpoint import Checkpoint
+from parity.checkpoint.buffers import check_buffers
 
 NORM_KINDS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
 PLACEMENTS = {

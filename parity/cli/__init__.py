@@ -31,7 +31,7 @@ try:  # an interrupt while the imports run ends like one during a command
 
     from parity import __version__
     from parity.adapter import load_all
-    from parity.cli.common import CONTEXT, Group, Outputs, adapters_option, check_options, parse_id_list, run_check
+    from parity.cli.common import CONTEXT, Group, Outputs, adapters_option, check_options, run_check
     from parity.cli.common import console as console_for_output
     from parity.cli.golden import golden_group, inputs_cmd, report_group
     from parity.errors import ParityError

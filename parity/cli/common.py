@@ -4,10 +4,10 @@ options several commands take, and a check's progress display and outputs."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -163,8 +163,15 @@ class Progress:
     """What a check is doing (a status line) and, per model, a bar of layers done with the time left."""
 
     def __init__(self):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                              TextColumn("layers"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import click
-
 from rich.console import Console
 
 from parity.cli.common import CONTEXT, Group, Outputs, adapters_option, console, input_options, run_check
@@ -35,8 +34,8 @@ def report_merge_cmd(files, report_paths, junit, per_layer):
     """Join the JSON reports of `check --layers` slices into one verdict; exit 0 pass, 1 fail, 2 no verdict
     (a layer no slice covers, slices that overlap or come from different checks)."""
     from parity import render
-    from parity.storage.jsonfile import read_json
     from parity.report import Report, merge_slices
+    from parity.storage.jsonfile import read_json
 
     outputs = [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]
     for path, fmt in outputs:
@@ -148,8 +147,8 @@ def inputs_cmd(reference, out, prompts, decode, adapter_dirs):
       parity inputs golden/llama -o inputs.json
       parity inputs golden/llama --decode 32 -o inputs.json
     """
-    from parity.dumps import write_inputs
     from parity.checker.sides import inputs_for
+    from parity.dumps import write_inputs
 
     rows, tokens = inputs_for(reference, prompts, adapter_dirs=adapter_dirs, decode=decode)
     write_inputs(out, rows, tokens)

@@ -16,12 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from parity.diagnosis import bugs
 from parity.adapter import load_all
+from parity.checker.run import check
+from parity.diagnosis import bugs
+from parity.diagnosis.diagnose import consistent
 from parity.errors import ParityError
 from parity.neutral.converter import convert
-from parity.checker.run import check
-from parity.diagnosis.diagnose import consistent
 from parity.reference.tiny import make_tiny
 
 DECODE_STEPS = 32

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from parity.diagnosis import bugs
 from parity.compare import metrics
+from parity.diagnosis import bugs
 
 # A hypothesis explains the candidate when its residual is below this share of the candidate's error.
 EXPLAINS = 0.05
@@ -180,8 +180,8 @@ def diagnose_decode(reference_dir: Path, kept: dict, ids: torch.Tensor, tokens: 
     cache policy) and the others alike (a sliding window ignored shows only once decoding passes the window),
     is run by the executor from the converted reference: the prompt, then the same tokens, one step at a time
     with its cache, to the failing step."""
-    from parity.neutral.executor.model import NeutralModel
     from parity.neutral.converter import convert
+    from parity.neutral.executor.model import NeutralModel
     from parity.neutral.manifest import load
 
     step, point = kept["step"], kept["point"]

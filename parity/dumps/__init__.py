@@ -27,9 +27,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parity.storage import atomic
 from parity import names
 from parity.errors import ParityError
+from parity.storage import atomic
 from parity.storage.jsonfile import NOT_JSON
 from parity.storage.shards import FLOAT_DTYPES, read_header
 

@@ -16,15 +16,27 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Container, Iterator
 
 from parity import __version__, names
-from parity.storage import atomic
 from parity.adapter import Resolved, ResolvedNorm, ResolvedTensor, rope_settings
 from parity.checkpoint import Checkpoint, open_checkpoint, stored_tensor_map
 from parity.errors import ParityError
 from parity.neutral.manifest import BLOCK_NORMS, DTYPE_NAMES, FORMAT, FORMAT_VERSION, MANIFEST
+from parity.storage import atomic
 from parity.storage.quantization import dequantize, quantized_weights, rounding_error
 from parity.storage.shards import (
-    HASH, ContentHash, Hashing, Header, Parts, Pieces, PlannedTensor, ShardWriter, dtype_code, file_order, hash_file,
-    plan, read_header)
+    HASH,
+    ContentHash,
+    Hashing,
+    Header,
+    Parts,
+    Pieces,
+    PlannedTensor,
+    ShardWriter,
+    dtype_code,
+    file_order,
+    hash_file,
+    plan,
+    read_header,
+)
 
 
 class _Torch:

@@ -270,8 +270,8 @@ def read_back(ckpt, xml: Path, out: Path) -> dict:
 
     from parity.checkpoint import stored_tensor_map
     from parity.compare import metrics
-    from parity.reference.arithmetic.ggml import Arithmetic
     from parity.ports.same_weights import write_reference
+    from parity.reference.arithmetic.ggml import Arithmetic
     from parity.storage.lazy import Dequantizer
 
     model = ov.Core().read_model(str(xml))

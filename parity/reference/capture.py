@@ -21,8 +21,8 @@ import torch
 
 from parity import names, ops
 from parity.adapter import ResolvedCapture
-from parity.reference.attention import ATTENTION, recording
 from parity.errors import ParityError
+from parity.reference.attention import ATTENTION, recording
 
 __all__ = ["ATTENTION", "hooks", "input_value", "run_and_capture", "with_input"]
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from parity.checkpoint import Checkpoint
-from parity.errors import ParityError
 from parity.checkpoint.lengths import MIN_LENGTH, thresholds
+from parity.errors import ParityError
 from parity.reference.models import Models, cached_forward, first_device, hf_runner
 
 # the prompt's floor when decoding: enough positions for the prefill to mean something

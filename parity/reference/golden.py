@@ -35,9 +35,9 @@ from parity import dumps, names
 from parity.adapter import load_all
 from parity.checkpoint import Checkpoint, check_config, inside, open_checkpoint, plain_file_name, resolve_config
 from parity.checkpoint.inputs import Inputs, make_inputs, read_inputs_file
-from parity.storage.jsonfile import StrictSpec, check_schema, read_json
-from parity.reference.models import Emit, replay_steps
 from parity.errors import ParityError
+from parity.reference.models import Emit, replay_steps
+from parity.storage.jsonfile import StrictSpec, check_schema, read_json
 from parity.storage.shards import FLOAT_DTYPES, read_header, sha256_file
 
 FORMAT = "parity-golden"

@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from parity.checkpoint import Checkpoint
-from parity.errors import ParityError
 from parity.checkpoint.inputs import available_memory
+from parity.errors import ParityError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Emit = Callable[[str, torch.Tensor], None]
@@ -379,8 +379,8 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
     device = models.device.get(role, models.device["reference"])
 
     def run(emit: Emit) -> None:
-        from parity.reference.capture import hooks
         from parity.reference.arithmetic.ggml import emulate
+        from parity.reference.capture import hooks
 
         # capture hooks first: a layer's input is reported as computed, then replaced when isolating; ops after the
         # engine's hooks, so that an op read at an output includes what the engine adds there

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from parity.storage import atomic
 from parity.adapter import Adapter
-from parity.errors import ParityError
 from parity.adapter.expr import evaluate
+from parity.errors import ParityError
+from parity.storage import atomic
 
 VOCAB = 256  # one token per byte: a real, offline tokenizer with no files to fetch
 SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}

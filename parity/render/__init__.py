@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from parity.render import facts as facts
 from parity.errors import ParityError
+from parity.render import facts as facts
 from parity.render.facts import verdict
 from parity.render.html import html
 from parity.report import Report

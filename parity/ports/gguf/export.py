@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from parity.storage import atomic
 from parity.checkpoint import open_checkpoint
 from parity.errors import ParityError
 from parity.ports.gguf.file import header_types
 from parity.ports.gguf.quantize import LLAMA_TYPES, ftype, quantize, summary
+from parity.storage import atomic
 from parity.storage.jsonfile import read_json
 
 # neutral name -> llama.cpp's (gguf-py's MODEL_TENSOR names), {i} the layer

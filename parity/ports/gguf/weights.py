@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from parity.errors import ParityError
-from parity.ports.same_weights import EXACT, neutral_map
+from parity.ports.same_weights import EXACT, neutral_map, write_reference
 from parity.reference.arithmetic.ggml import OUTPUT, Arithmetic, block_mins
 
 # rel_l2 of a quantized tensor against the checkpoint's beyond which it is not a quantization of it; measured on
@@ -51,10 +51,10 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     import gguf
 
     from parity.checkpoint import stored_tensor_map
+    from parity.neutral.converter import build_manifest, restyle_rope
     from parity.ports.gguf.export import neutral_name
     from parity.ports.gguf.file import open_gguf
     from parity.storage.lazy import Dequantizer
-    from parity.neutral.converter import build_manifest, restyle_rope
 
     spec = ckpt.adapter.spec.gguf
     reader = open_gguf(Path(path))

@@ -41,8 +41,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from parity import __version__
-from parity.storage import atomic
 from parity.errors import ParityError
+from parity.storage import atomic
 
 DTYPES = ("float32", "float16")
 FORMAT = "parity-onnx"
@@ -203,8 +203,8 @@ def _with_ops(module: _Exportable) -> list[str]:
     """Make ``module`` output the executor's operation-level points after its points: those it emits for this
     manifest, found by running it once on two tokens (on fake weights, where it was built on them: shapes only).
     Returns its points, ops included."""
-    from parity.neutral.executor.model import NeutralModel
     from parity.names import is_op
+    from parity.neutral.executor.model import NeutralModel
 
     found: list[str] = []
     model = NeutralModel(module.manifest, dict(module.named_buffers()), module.dtype)

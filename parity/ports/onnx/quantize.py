@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from parity.storage import atomic
 from parity.errors import ParityError
+from parity.storage import atomic
 
 MODES = ("int8-dynamic", "qdq", "int4")
 TRANSPOSED = ".T"      # suffix of a weight folded from Transpose(W): W laid out [in, out]

@@ -188,8 +188,8 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     parity.ports.gguf.weights.read_back does."""
     from parity.checkpoint import stored_tensor_map
     from parity.compare import metrics
-    from parity.storage.lazy import Dequantizer
     from parity.neutral.converter import to_neutral
+    from parity.storage.lazy import Dequantizer
 
     g = _Graph(Path(path))
     fused = sorted({n.op_type for n in g.nodes} & UNREAD_OPS)

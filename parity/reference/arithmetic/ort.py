@@ -29,10 +29,10 @@ boundaries it moves an activation across.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 
 import torch
 
