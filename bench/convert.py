@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from harness import cli, cpu_seconds, llama_config, make_checkpoint, run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from harness import cli, llama_config, make_checkpoint, run
 
 CHILD = """

@@ -1,4 +1,4 @@
-"""The engine x family matrix of the README: every engine kind against transformers, on every family's tiny
+"""The engine x family matrix of docs/engines.md: every engine kind against transformers, on every family's tiny
 checkpoint (`parity make-tiny`, transformers' own classes) and on the real Qwen2.5-Coder-0.5B when present.
 
     python bench/engines.py [--engines sdpa,mlx,openvino,ctranslate2] [--families llama,gemma2,...]

@@ -1,5 +1,5 @@
-"""How much closer to llama.cpp the emulating same-weights reference is than the plain one: the README's GGUF
-figures, printed as tables (rel_l2 against each reference, KL, top-1, wall time and peak RSS of each check).
+"""How much closer to llama.cpp the emulating same-weights reference is than the plain one: the figures
+of docs/gguf.md, printed as tables (rel_l2 against each reference, KL, top-1, wall time and peak RSS of each check).
 
     python bench/gguf_arithmetic.py real [--dir DIR]     the real Qwen2.5-Coder-0.5B Q4_K_M file
                                                          (../shared/models/qwen2.5-coder-0.5b.sh), free and

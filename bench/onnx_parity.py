@@ -1,4 +1,4 @@
-"""How far ONNX Runtime strays from transformers: the figures README.md's "ONNX" section quotes.
+"""How far ONNX Runtime strays from transformers: the figures docs/onnx.md quotes.
 
     python bench/onnx_parity.py [--families F,G] [--no-genai]
 

@@ -7,7 +7,7 @@ from parity.errors import ParityError  # noqa: E402 - raised for every input tha
 __all__ = ["ParityError", "check"]
 
 
-def check(reference, candidate, **options):
+def check(reference, candidate, options=None, **given):
     """Compare a candidate against a reference checkpoint; returns a Report (truthy when parity holds).
 
     Example::
@@ -16,8 +16,9 @@ def check(reference, candidate, **options):
         assert report, report.first_divergence
 
     Options are those of ``parity check`` (``dtype``, ``layerwise``, ``isolate``, ``calibrate``,
-    ``tolerance``, ``prompt``, ``ids``, ``length``, ``inputs_file``); see ``parity.checker.run.check``.
+    ``tolerance``, ``prompt``, ``ids``, ``length``, ``inputs_file``, ...), as keyword arguments or as one
+    ``parity.checker.options.CheckOptions``; an unknown name is refused. See ``parity.checker.run.check``.
     """
     from parity.checker.run import check as run
 
-    return run(reference, candidate, **options)
+    return run(reference, candidate, options, **given)

@@ -1,9 +1,9 @@
 """The bad-input catalog: every way a user's input can be wrong, and what parity says about it.
 
-Each case is data: a human description (the README's "input" column), a setup that builds the bad
+Each case is data: a human description (docs/commands.md's "input" column), a setup that builds the bad
 input in a temporary directory and returns the command line, the exit code (2: no verdict; 1 for a
 candidate whose weights hold NaN, which is a verdict), and a fragment of the one-line message (the
-README's "what parity says"). tests/test_bad_inputs.py runs each one through the CLI; README.md
+docs/commands.md's "what parity says"). tests/test_bad_inputs.py runs each one through the CLI; docs/commands.md
 holds ``markdown_table()`` between its bad-inputs markers.
 
 Cases whose refusal depends on a change not made yet carry ``lead``: what that change must do.
@@ -41,8 +41,8 @@ class Built:
 def build(root: Path) -> Built:
     from parity.adapter import load_all
     from parity.dumps import write_dump
-    from parity.neutral.executor.model import NeutralModel
     from parity.neutral.converter import convert
+    from parity.neutral.executor.model import NeutralModel
     from parity.reference.tiny import make_tiny
 
     checkpoint = make_tiny(load_all()["llama"], root / "llama")
@@ -57,9 +57,9 @@ def build(root: Path) -> Built:
 
 @dataclass(frozen=True)
 class Case:
-    input: str                                   # what is wrong, as a README row names it
+    input: str                                   # what is wrong, as a docs/commands.md row names it
     setup: Callable[[Path, Built], list[str]]    # builds the input under a temporary directory; the argv
-    says: str                                    # a fragment of the message: the README's "what parity says"
+    says: str                                    # a fragment of the message: the docs/commands.md's "what parity says"
     exit: int = 2
     lead: str | None = None                      # a change in progress this case waits for (xfail until then)
 
@@ -590,7 +590,7 @@ BAD_INPUTS: list[Case] = [
         t, [write(t / "x.json", b'{"verdict": "pass"}')]), "not a parity report"),
     Case("convert --onnx-quant with --to gguf",
          lambda t, b: ["convert", str(b.checkpoint), "--to", "gguf", "-o", str(t / "m.gguf"), "--onnx-quant", "qdq"],
-         "--onnx-quant quantizes an ONNX export; it needs --to onnx"),
+         "--onnx-quant applies to --to onnx, not --to gguf (it quantizes an ONNX export"),
 ]
 
 
@@ -601,8 +601,8 @@ def merge(tmp: Path, files: list[Path]) -> list[str]:
 
 def _slices(tmp: Path, b: Built, *spans: str, **options) -> list[Path]:
     """The JSON reports of checking the tiny llama's neutral conversion one slice of layers at a time."""
-    from parity.render import write as write_report
     from parity.checker.run import check as run_check
+    from parity.render import write as write_report
 
     files = []
     for span in spans:
@@ -619,7 +619,7 @@ def _final_only_golden(tmp: Path, b: Built) -> tuple[Path]:
 
 
 def markdown_table() -> str:
-    """The catalog as README.md shows it."""
+    """The catalog as docs/commands.md shows it."""
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 

@@ -71,7 +71,7 @@ def dequantized_twin(source: Path, out: Path, exact: dict[str, torch.Tensor]) ->
     return out
 
 
-if __name__ == "__main__":  # python -m tests.fp8 SOURCE OUT [ROWSxCOLS]: the README's FP8 example
+if __name__ == "__main__":  # python -m tests.fp8 SOURCE OUT [ROWSxCOLS]: docs/inspecting.md's FP8 example
     import sys
 
     rows, cols = (int(n) for n in (sys.argv[3] if len(sys.argv) > 3 else "128x128").split("x"))

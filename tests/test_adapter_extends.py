@@ -11,7 +11,6 @@ from click.testing import CliRunner
 from parity.adapter import builtin_dir, load_adapter, load_all, resolve, resolved_data
 from parity.cli import cli
 from parity.errors import ParityError
-
 from tests.conftest import FIXTURES
 
 # Every built-in family's data, dumped with the code before adapters could extend one another.

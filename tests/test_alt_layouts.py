@@ -12,10 +12,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from parity.checkpoint import open_checkpoint
-from parity.cli import cli
 from parity.checkpoint.inspection import report
+from parity.cli import cli
 from parity.reference.tiny import make_tiny
-
 from tests.conftest import ADAPTERS
 
 

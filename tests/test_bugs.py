@@ -9,13 +9,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import parity
-from parity.diagnosis import bugs
-from parity.cli import selftest
 from parity.adapter import load_all
-from parity.cli import cli
+from parity.cli import cli, selftest
+from parity.diagnosis import bugs
 from parity.neutral.converter import convert
 from parity.neutral.manifest import load
-
 from tests.design_doc import plain, table
 
 # docs/design.md's "Porting-bug ids" table: `id` | the mistake | families

@@ -18,25 +18,17 @@ from parity.cli import cli
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):  # "from . import a" -> ".a"; "from .x import a" -> ".x"
-            dots = "." * node.level
-            out |= {dots + a.name for a in node.names} if node.module is None else {dots + node.module}
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-    return out
+def test_the_check_imports_the_protocol_and_no_kind():
+    """The check runs every kind through parity.candidates' protocol; no module of parity/checker imports a kind's
+    module (tests/test_layers.py holds it to naming no engine at all)."""
+    from tests.test_layers import package_imports
 
-
-def test_the_check_imports_no_candidate_module():
-    kinds = {f"..candidates.{k}" for k in candidates.KINDS} | {"..dumps", "..onnx_export", "..gguf_export"}
-    for file in (ROOT / "parity" / "checker").glob("*.py"):
-        # a golden's activations are stored in the engine-dump format: recording one writes it
-        allowed = {"..dumps"} if file.name == "record.py" else set()
-        assert not (_imports(file) & kinds) - allowed, (file.name, _imports(file) & kinds)
-    assert "..candidates" in set().union(*(_imports(f) for f in (ROOT / "parity" / "checker").glob("*.py")))
+    graph = package_imports()
+    checker = {m: ts for m, ts in graph.items() if m.startswith("parity.checker")}
+    assert any("parity.candidates" in ts for ts in checker.values())
+    kinds = {f"parity.candidates.{k}" for k in candidates.KINDS + candidates.ENGINES}
+    for m, ts in checker.items():
+        assert not ts & kinds, (m, ts & kinds)
 
 
 def test_every_kind_module_states_the_protocol():

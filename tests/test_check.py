@@ -15,7 +15,6 @@ import parity
 from parity.cli import cli
 from parity.neutral.converter import convert
 from parity.testing import assert_parity
-
 from tests.conftest import FAMILIES
 
 
@@ -180,7 +179,7 @@ def test_cli_exit_codes_and_every_report_format(tiny_dir, converted, tmp_path):
                                   str(converted("gemma2")), "--layerwise"])
     assert ok.exit_code == 0, ok.output
     bad = CliRunner().invoke(cli, ["check", "--reference", str(tiny_dir("gemma2")), "--candidate", str(tmp_path)])
-    assert bad.exit_code == 2 and "not a neutral directory" in bad.stderr
+    assert bad.exit_code == 2 and "a neutral directory (manifest.json)" in bad.stderr
 
 
 def test_assert_parity_names_the_first_divergence(tiny_dir, converted, tmp_path):

@@ -12,7 +12,6 @@ from click.testing import CliRunner
 
 from parity import __version__
 from parity.cli import cli
-
 from tests.conftest import FIXTURES
 
 ROOT = Path(__file__).resolve().parent.parent

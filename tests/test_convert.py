@@ -211,7 +211,7 @@ def test_existing_output_is_refused_without_force(tiny_dir, tmp_path):
 
 SLOW_CONVERT = """
 import sys, time
-from parity import shards
+from parity.storage import shards
 from parity.neutral.converter import convert
 write = shards.ShardWriter.write
 def slow(self, name, tensor):

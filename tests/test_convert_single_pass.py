@@ -18,14 +18,14 @@ import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from parity.neutral import manifest as manifest_module
-from parity.neutral import converter as neutral
-from parity.storage import shards
 from parity.checkpoint import check_tensors, open_checkpoint
 from parity.cli import cli
-from parity.neutral.executor.model import NeutralModel
+from parity.neutral import converter as neutral
+from parity.neutral import manifest as manifest_module
 from parity.neutral.converter import build_manifest, convert, restyle_rope, to_neutral
+from parity.neutral.executor.model import NeutralModel
 from parity.neutral.manifest import DTYPES, load
+from parity.storage import shards
 from parity.storage.shards import DTYPE_NAMES, HASH, hash_file, read_header
 
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(24)]])

@@ -14,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 
 from parity.cli import cli
-
 from tests.conftest import ADAPTERS
 
 pytest.importorskip("ctranslate2")

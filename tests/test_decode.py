@@ -13,15 +13,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from parity.diagnosis import bugs
+from parity.checker.run import check
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
-from parity.reference.decode import crossings, prompt_length
+from parity.diagnosis import bugs
 from parity.errors import ParityError
 from parity.neutral.executor.model import NeutralModel
 from parity.neutral.manifest import load
-from parity.checker.run import check
-
+from parity.reference.decode import crossings, prompt_length
 from tests.conftest import FAMILIES
 
 DECODERS = [f for f in FAMILIES if f != "bert"]  # every causal language model

@@ -10,10 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parity.adapter import resolve
-from parity.reference.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
+from parity.reference.capture import run_and_capture
 from parity.reference.tiny import build_model
-
 from tests.conftest import ADAPTERS, FIXTURES
 
 PROMPT = torch.tensor([[(5 * k + 1) % 256 for k in range(40)]])

@@ -6,7 +6,6 @@ import pytest
 
 from parity.checkpoint import open_checkpoint
 from parity.checkpoint.inspection import report
-
 from tests.conftest import ADAPTERS, FIXTURES
 from tests.design_doc import plain, table
 

@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 
 from parity.cli import cli
 
-
 LAYER = 1
 DH = 16  # the tiny Llama's head_dim
 
@@ -198,11 +197,11 @@ def test_scores_scaled_on_a_gguf_candidate(tmp_path):
 def test_located_in_an_engine_dump_that_stores_ops(llama, tmp_path):
     """A dump that stores operation-level points under their names (docs/dumps.md) is drilled down like any
     candidate: here parity's executor on the broken checkpoint, dumped as an engine would dump itself."""
-    from parity.dumps import write_dump
-    from parity.neutral.executor.model import NeutralModel
-    from parity.checkpoint.inputs import select_inputs
     from parity.checkpoint import open_checkpoint
+    from parity.checkpoint.inputs import select_inputs
+    from parity.dumps import write_dump
     from parity.neutral.converter import convert
+    from parity.neutral.executor.model import NeutralModel
 
     neutral = tmp_path / "neutral"
     convert(_edited(llama, tmp_path / "candidate", _scale_kv_head_k), neutral)

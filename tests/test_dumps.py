@@ -14,12 +14,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import parity
+from parity.checker.record import record
 from parity.cli import cli
 from parity.dumps import write_dump
 from parity.errors import ParityError
-from parity.neutral.executor.model import NeutralModel
-from parity.checker.record import record
 from parity.neutral.converter import convert
+from parity.neutral.executor.model import NeutralModel
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 import transformers
 
-from parity.reference.capture import run_and_capture
 from parity.checkpoint import open_checkpoint
-
+from parity.reference.capture import run_and_capture
 from tests.conftest import FAMILIES
 
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(40)]])

@@ -12,11 +12,10 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from parity.checkpoint import open_checkpoint
-from parity.cli import cli
 from parity.checkpoint.inspection import report
-from parity.storage.quantization import dequantize, scale_shape
+from parity.cli import cli
 from parity.reference.tiny import make_tiny
-
+from parity.storage.quantization import dequantize, scale_shape
 from tests.conftest import ADAPTERS
 from tests.fp8 import dequantized_twin, expand, quantize
 

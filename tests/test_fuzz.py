@@ -31,16 +31,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from parity import dumps, render
-from parity.storage import shards
+from parity.candidates import Candidate
 from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import inside, inventory, open_checkpoint
 from parity.errors import ParityError
-from parity.reference.golden import open_golden
 from parity.neutral.manifest import load
-from parity.report import Report, merge_slices
-from parity.candidates import Candidate
+from parity.reference.golden import open_golden
 from parity.reference.models import Models
-
+from parity.report import Report, merge_slices
+from parity.storage import shards
 from tests.bad_inputs import GOLDEN, build, onnx_model
 from tests.conftest import ADAPTERS, FIXTURES
 

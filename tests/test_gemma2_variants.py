@@ -6,7 +6,6 @@ import json
 
 from parity.adapter import recognise, resolve
 from parity.reference.tiny import build_model
-
 from tests.conftest import ADAPTERS, FIXTURES
 from tests.test_gemma_variants import mismatches, real_model
 

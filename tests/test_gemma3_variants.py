@@ -11,10 +11,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from parity.adapter import recognise, resolve
-from parity.reference.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
+from parity.reference.capture import run_and_capture
 from parity.reference.tiny import randomise, tiny_config
-
 from tests.conftest import ADAPTERS, FIXTURES
 from tests.test_gemma_variants import mismatches, real_model
 

@@ -15,7 +15,6 @@ import transformers
 
 from parity.adapter import recognise, resolve, text_config
 from parity.reference.tiny import build_model
-
 from tests.conftest import ADAPTERS, FIXTURES
 
 ACTIVATION_CLASSES = {"gelu_tanh": ("PytorchGELUTanh", "GELUTanh"), "gelu_exact": ("GELUActivation",), "silu": ("SiLU",)}

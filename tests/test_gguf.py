@@ -10,7 +10,6 @@ import pytest
 from click.testing import CliRunner
 
 from parity.cli import cli
-
 from tests.conftest import ADAPTERS
 
 pytest.importorskip("gguf")
@@ -184,7 +183,7 @@ def test_same_weights_of_an_f32_file_is_the_plain_check(tmp_path, released):
 def test_same_weights_is_refused_for_other_candidates(tmp_path, tiny_dir):
     result = CliRunner().invoke(cli, ["check", "--reference", str(tiny_dir("llama")), "--candidate",
                                       str(tiny_dir("llama")), "--same-weights"])
-    assert result.exit_code == 2 and "cannot give them (GGUF files can)" in result.stderr
+    assert result.exit_code == 2 and "cannot give them (kinds that can: onnx, gguf" in result.stderr
 
 
 def test_a_vocabulary_that_splits_the_prompt_otherwise_is_reported(tmp_path, tiny_dir, monkeypatch):
@@ -231,7 +230,7 @@ def test_llama_cpp_decodes_with_its_own_cache(family, tmp_path, released):
     compared = [p for p in steps if p["compared"]]
     assert len(compared) == 32 * sum(p["compared"] for p in report["points"] if p["step"] is None)
     assert report["decode"]["top1_agreement"] == 1.0 and report["decode"]["kl_max"] < 1e-8
-    worst = max(p["rel_l2"] for p in compared)  # README: 2.4e-6 (llama), 1.04e-3 (gemma3)
+    worst = max(p["rel_l2"] for p in compared)  # docs/gguf.md: 2.4e-6 (llama), 1.04e-3 (gemma3)
     assert worst < (3e-6 if family == "llama" else 1.1e-3), worst
     if family == "gemma3":
         assert {c["what"]: c["crossed"] for c in report["decode"]["crossed"]}["sliding window 8"] == "decode"
@@ -257,7 +256,7 @@ def test_same_weights_and_quantization_noise_do_not_absorb_a_broken_layout(gguf_
         if mode == "--same-weights" or gguf_type != "F32":  # an all-F32 file is calibrated as usual: nothing read back
             assert any("not a quantization of the checkpoint's" in w for w in report["warnings"])
         assert report["first_divergence"]["rel_l2"] > 0.3
-        if mode == "--calibrate" and gguf_type == "Q8_0":  # README: 38x and 197x the quantization's noise
+        if mode == "--calibrate" and gguf_type == "Q8_0":  # docs/gguf.md: 38x and 197x the quantization's noise
             assert report["first_divergence"]["noise_ratio"] > 30
 
 
@@ -273,6 +272,6 @@ def test_a_q8_0_file_passes_within_tolerances_measured_on_its_own_quantization(t
     assert result.exit_code == 0, result.output
     compared = [p for p in report["points"] if p["compared"]]
     assert all(p["tolerance"]["source"].startswith("calibrated") for p in compared)
-    assert all(p["noise"] > 1e-3 and p["noise_ratio"] < 2 for p in compared)  # README: 1.0x to 1.3x
+    assert all(p["noise"] > 1e-3 and p["noise_ratio"] < 2 for p in compared)  # docs/gguf.md: 1.0x to 1.3x
     assert report["candidate"]["quantization"]["types"]["Q8_0"] == 16
     assert 0.9 < report["logits"]["top1_agreement"] < 1.0  # Q8_0 flips near ties on these random weights

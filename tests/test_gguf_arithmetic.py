@@ -39,8 +39,8 @@ pytest.importorskip("llama_cpp")
 
 from parity.candidates.gguf import GGUFRun, _read
 from parity.compare import ENGINE_MULTIPLE, NOISE_FLOOR
-from parity.reference.arithmetic.ggml import ACTIVATIONS, block_mins, round_activations
 from parity.ports.gguf.weights import BANDS, REQUANTIZABLE
+from parity.reference.arithmetic.ggml import ACTIVATIONS, block_mins, round_activations
 
 IDS = [(37 * k + 11) % 256 for k in range(16)]  # tokens for the one-op runs (every tiny vocabulary has 256)
 

@@ -12,15 +12,14 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import parity
-from parity.cli import cli
-from parity.errors import ParityError
 from parity.checker.record import record
-from parity.reference.golden import open_golden
 from parity.checker.run import verify_golden as verify
 from parity.checkpoint.inputs import Prompts
+from parity.cli import cli
+from parity.errors import ParityError
 from parity.neutral.converter import convert
+from parity.reference.golden import open_golden
 from parity.reference.tiny import make_tiny
-
 from tests.conftest import ADAPTERS, FAMILIES
 from tests.test_check import edited
 from tests.test_dumps import executor_dump

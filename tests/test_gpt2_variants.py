@@ -9,12 +9,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from parity.reference.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.neutral.executor.model import NeutralModel
 from parity.neutral.converter import convert
+from parity.neutral.executor.model import NeutralModel
+from parity.reference.capture import run_and_capture
 from parity.reference.tiny import build_model
-
 from tests.conftest import ADAPTERS
 
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(40)]])

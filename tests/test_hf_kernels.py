@@ -13,7 +13,6 @@ from click.testing import CliRunner
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
 from parity.reference.models import Models, compile_between_points
-
 from tests.conftest import FAMILIES
 
 # float32, measured on the tiny checkpoints (parity check --candidate-attn sdpa): every family's worst point is

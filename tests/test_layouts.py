@@ -18,7 +18,6 @@ import pytest
 from click.testing import CliRunner
 
 from parity.cli import cli
-
 from tests.layouts import INDEX, NAMES, LayoutError, load, load_dir, materialise
 
 

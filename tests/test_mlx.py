@@ -14,7 +14,6 @@ import torch
 from click.testing import CliRunner
 
 from parity.cli import cli
-
 from tests.conftest import ADAPTERS
 
 pytest.importorskip("mlx_lm")

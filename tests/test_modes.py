@@ -20,17 +20,17 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import parity
-from parity.diagnosis import bugs
 from parity import names
 from parity.checker.judge import merge
-from parity.checkpoint.inputs import select_inputs
+from parity.checker.record import record
 from parity.checkpoint import open_checkpoint
+from parity.checkpoint.inputs import select_inputs
 from parity.cli import cli
 from parity.compare import Tolerance
+from parity.diagnosis import bugs
 from parity.dumps import write_dump
-from parity.neutral.executor.model import NeutralModel
-from parity.checker.record import record
 from parity.neutral.converter import convert
+from parity.neutral.executor.model import NeutralModel
 from parity.neutral.manifest import load
 from parity.ports.onnx.export import export
 from parity.report import PointResult, Report

@@ -21,13 +21,12 @@ from safetensors.torch import load_file, save_file
 
 import parity
 from parity.adapter import recognise, resolve
-from parity.reference.capture import run_and_capture
 from parity.checkpoint import check_tensors, open_checkpoint
+from parity.neutral.converter import convert
 from parity.neutral.executor.model import NeutralModel
 from parity.neutral.executor.moe import moe, route
-from parity.neutral.converter import convert
 from parity.neutral.manifest import load
-
+from parity.reference.capture import run_and_capture
 from tests.conftest import ADAPTERS, FIXTURES, real_config
 
 MOE_FAMILIES = ["qwen3_moe", "mixtral"]

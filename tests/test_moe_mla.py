@@ -13,13 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from parity.checkpoint import open_checkpoint
+from parity.neutral.converter import layer_manifest, to_neutral
 from parity.neutral.executor import mla
 from parity.neutral.executor.mla import mla_attention
-from parity.neutral.executor.moe import moe, route
 from parity.neutral.executor.model import mla_spec
-from parity.neutral.converter import layer_manifest, to_neutral
+from parity.neutral.executor.moe import moe, route
 from parity.reference.tiny import build_model
-
 from tests.conftest import ADAPTERS
 
 # rel_l2 bounds. float32: both sides run the same ops in the same order; only kernel summation order differs

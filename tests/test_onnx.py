@@ -24,14 +24,13 @@ import torch
 from click.testing import CliRunner
 
 import parity
-from parity.ports.onnx import export as onnx_export
-from parity.ports.onnx import graph as onnx_graph
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
-from parity.neutral.executor.model import NeutralModel
 from parity.neutral.converter import convert
+from parity.neutral.executor.model import NeutralModel
 from parity.neutral.manifest import load
-
+from parity.ports.onnx import export as onnx_export
+from parity.ports.onnx import graph as onnx_graph
 from tests import onnx_helpers
 from tests.conftest import FAMILIES
 
@@ -201,7 +200,7 @@ def test_onnx_options_and_refusals(tiny_dir, exported, tmp_path):
         bad = run("--map", spec)
         assert bad.exit_code == 2 and message in bad.stderr, bad.stderr
     neutral = CliRunner().invoke(cli, ["check", "--reference", ref, "--candidate", ref, "--map", "embed=x"])
-    assert neutral.exit_code == 2 and "apply to ONNX candidates" in neutral.stderr
+    assert neutral.exit_code == 2 and "apply to graph candidates (onnx" in neutral.stderr
     float16 = parity.check(ref, exported("llama", "float16"))
     assert any("computes in float16 but --dtype is float32" in w for w in float16.warnings)
 

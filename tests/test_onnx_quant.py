@@ -18,7 +18,6 @@ import torch
 from click.testing import CliRunner
 
 from parity.cli import cli
-
 from tests.conftest import ADAPTERS
 
 pytest.importorskip("onnxruntime.quantization")
@@ -185,7 +184,7 @@ def test_a_graph_it_cannot_read_back_is_refused(made, tmp_path):
 
     from onnxruntime import quantization as q
 
-    from parity.ports.onnx.quantize import _Prompt, _default_ids, _weight_matmuls, fold_transposes
+    from parity.ports.onnx.quantize import _default_ids, _Prompt, _weight_matmuls, fold_transposes
 
     ckpt, qdq = made("llama", "qdq")
     model = onnx.load(str(qdq.with_name("llama-float-correct.onnx")))

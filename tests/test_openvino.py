@@ -19,7 +19,6 @@ from click.testing import CliRunner
 
 from parity.candidates.openvino import conversions
 from parity.cli import cli
-
 from tests.conftest import FAMILIES
 
 pytest.importorskip("openvino")

@@ -109,7 +109,6 @@ def onnx_files(tiny_dir, tmp_path_factory):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     from parity.ports.onnx.export import export
-
     from tests.onnx_helpers import export_foreign
 
     root = tmp_path_factory.mktemp("ops-onnx")

@@ -9,12 +9,11 @@ import torch
 import transformers
 
 from parity import names
-from parity.reference.capture import run_and_capture
 from parity.checkpoint import open_checkpoint
+from parity.neutral.converter import convert
 from parity.neutral.executor.model import NeutralModel
 from parity.neutral.manifest import load
-from parity.neutral.converter import convert
-
+from parity.reference.capture import run_and_capture
 from tests.conftest import FAMILIES
 
 # long enough to cross every tiny checkpoint's sliding window (8 or 16) and RoPE scaling threshold

@@ -19,7 +19,6 @@ from click.testing import CliRunner
 
 from parity import names
 from parity.cli import cli
-
 from tests.conftest import ADAPTERS
 
 pytest.importorskip("gguf")

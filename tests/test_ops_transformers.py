@@ -14,11 +14,10 @@ from parity import names
 from parity.adapter import ResolvedCapture, load_adapter, resolve
 from parity.candidates import Candidate, Notes, Options
 from parity.candidates import huggingface as hf_kind
-from parity.reference.capture import ATTENTION, hooks, run_and_capture
 from parity.checkpoint import open_checkpoint
 from parity.errors import ParityError
+from parity.reference.capture import ATTENTION, hooks, run_and_capture
 from parity.reference.models import Models, hf_decoder, hf_runner
-
 from tests.conftest import FAMILIES
 
 PROMPT = torch.tensor([[(7 * k + 3) % 256 for k in range(40)]])

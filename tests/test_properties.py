@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from parity.adapter import recognise, resolve
 from parity.checkpoint.inspection import _ranges
 from parity.reference.tiny import tiny_config
-
 from tests.conftest import ADAPTERS
 
 

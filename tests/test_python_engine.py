@@ -13,7 +13,6 @@ import pytest
 from click.testing import CliRunner
 
 from parity.cli import cli
-
 from tests.conftest import FIXTURES
 
 ENGINE = FIXTURES / "transformer_lens_engine.py"

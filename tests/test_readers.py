@@ -16,15 +16,14 @@ from safetensors.torch import load_file, save_file
 
 import parity
 from parity import dumps
-from parity.storage import shards
+from parity.candidates import Candidate, Notes
 from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import open_checkpoint, read_config
 from parity.errors import ParityError
-from parity.reference.golden import open_golden
 from parity.neutral.manifest import load, read_manifest
-from parity.candidates import Candidate, Notes
+from parity.reference.golden import open_golden
 from parity.reference.models import Models
-
+from parity.storage import shards
 from tests.bad_inputs import GOLDEN, build, onnx_model, safetensors_bytes, sentinel
 from tests.conftest import FIXTURES
 

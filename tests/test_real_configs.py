@@ -7,7 +7,6 @@ import torch
 import transformers
 
 from parity.adapter import recognise, resolve, text_config
-
 from tests.conftest import ADAPTERS, FIXTURES, real_config
 
 CONFIGS = sorted(p.name for p in (FIXTURES / "configs").glob("*.json"))

@@ -12,7 +12,6 @@ import pytest
 from click.testing import CliRunner
 
 from parity.cli import cli
-
 from tests.gguf_twins import write_twin
 
 pytest.importorskip("llama_cpp")
@@ -95,7 +94,7 @@ def test_the_real_file_passes_against_the_emulating_reference(prompt, tmp_path):
 def test_isolated_every_point_is_5x_closer_to_the_emulating_reference(tmp_path):
     """--isolate: each reference layer (and MLP) restarts from llama.cpp's input to it, so no rounding boundary
     crossed earlier cascades: every point is at least 5x closer to the emulating reference than to the plain one
-    (README: 26.7x at worst, layers.0.mid; logits KL 5e-13 against 2.5e-4)."""
+    (docs/gguf.md: 26.7x at worst, layers.0.mid; logits KL 5e-13 against 2.5e-4)."""
     result, report = _check(REAL / "model.gguf", tmp_path / "r.json", "--isolate")
     assert result.exit_code == 0, result.output
     apart = [p for p in report["points"] if p["compared"] and p["rel_l2_plain"] > 1e-5]

@@ -22,7 +22,6 @@ from parity import rope as M
 from parity.adapter import recognise, resolve, text_config
 from parity.neutral.executor import rope as R
 from parity.reference.tiny import tiny_config
-
 from tests.conftest import ADAPTERS, FIXTURES
 
 CONFIGS = sorted(p.name for p in (FIXTURES / "configs").glob("*.json"))

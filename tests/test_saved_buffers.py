@@ -13,10 +13,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from parity.checkpoint import check_tensors, open_checkpoint
-from parity.cli import cli
 from parity.checkpoint.inspection import report
+from parity.cli import cli
 from parity.reference.tiny import make_tiny
-
 from tests.conftest import ADAPTERS
 
 

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 
 from parity.checker import run as runner
 from parity.checker.plan import Span, parse_layers
+from parity.checker.record import record
 from parity.cli import cli
 from parity.errors import ParityError
-from parity.checker.record import record
 from parity.neutral.converter import convert
 
 # a mistake in layer 0 only: gemma2's tiny model alternates a sliding layer (0) with a global one (1)

@@ -9,7 +9,6 @@ import torch
 import transformers
 
 from parity.adapter import recognise, resolve
-
 from tests.conftest import ADAPTERS, FIXTURES
 
 BASES = {"qwen2": "qwen2.5-0.5b.json", "qwen3": "qwen3-8b.json"}

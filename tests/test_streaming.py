@@ -7,23 +7,21 @@ holds real weights, embeddings read only the rows the prompt uses and the head i
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import transformers
 
 from parity import candidates
-from parity.storage import lazy
-from parity.reference import models
+from parity.candidates import neutral as neutral_kind
 from parity.checker import prefill
 from parity.checker import run as runner
-from parity.candidates import neutral as neutral_kind
-from parity.checkpoint.inputs import make_inputs
 from parity.checkpoint import open_checkpoint
+from parity.checkpoint.inputs import make_inputs
 from parity.errors import ParityError
 from parity.neutral.executor.model import NeutralModel
 from parity.neutral.manifest import load
-
+from parity.reference import models
+from parity.storage import lazy
 from tests.conftest import FAMILIES
 
 

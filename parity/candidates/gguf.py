@@ -164,7 +164,7 @@ class GGUFRun:
             import llama_cpp
         except ImportError:
             raise ParityError("a GGUF candidate runs in llama.cpp: pip install 'parity[llama]' (llama-cpp-python "
-                              "builds llama.cpp; see the README for the build flags)") from None
+                              "builds llama.cpp; see docs/gguf.md for the build flags)") from None
         self.llama_cpp, self.lib = llama_cpp, _ggml()
         self.points = {**POINTS, **(points or {})}  # the architecture's own meanings (the adapter's [gguf] points)
         llama_cpp.llama_backend_init()

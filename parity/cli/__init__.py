@@ -251,6 +251,8 @@ WHY_NOT = {
     ("gguf", "rope_style"): "the q/k layout is the one llama.cpp's architecture expects",
     ("onnx", "rope_style"): "an ONNX graph rotates as the checkpoint stores",
     ("neutral", "inject"): "for a neutral candidate, inject at check time: parity check --inject BUG",
+    ("gguf", "onnx_quant"): "it quantizes an ONNX export; llama.cpp's quantizer makes --gguf-type",
+    ("neutral", "onnx_quant"): "it quantizes an ONNX export",
 }
 
 

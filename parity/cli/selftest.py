@@ -154,7 +154,7 @@ def summary(rows: list[Row]) -> str:
 def markdown(rows: list[Row]) -> str:
     """The matrix, folded (a hundred rows would bury the totals), then the summary line last.
 
-    This is what README.md shows, pasted as written by `parity selftest --markdown FILE`.
+    This is what docs/bugs.md shows, pasted as written by `parity selftest --markdown FILE`.
     """
     lines = ["<details><summary>The full matrix</summary>", "",
              "| family | bug | dtype | check | detected | first divergence | first op | diagnosis | prefill-only "

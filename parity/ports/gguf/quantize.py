@@ -38,7 +38,7 @@ LLAMA_TYPES = {
     "Q5_K_M": ("LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q5_K"),
     "Q6_K": ("LLAMA_FTYPE_MOSTLY_Q6_K", "Q6_K"),
 }
-INSTALL = "pip install 'parity[llama]' (llama-cpp-python builds llama.cpp; see the README for the build flags)"
+INSTALL = "pip install 'parity[llama]' (llama-cpp-python builds llama.cpp; see docs/gguf.md for the build flags)"
 
 
 def ftype(qtype: str) -> int:

@@ -19,7 +19,7 @@ kernels multiply those blocks. Read from ggml-cpu (ggml-cpu.c, arch/x86/quants.c
 
 The integer dot products themselves are exact; what is left against llama.cpp is float32 summation order, which
 a reference cannot reproduce, and the rounding boundaries that order moves an activation across (measured in
-the README). Attention runs on llama.cpp's float32 KV cache (parity.candidates.gguf asks for one), so its
+docs/gguf.md). Attention runs on llama.cpp's float32 KV cache (parity.candidates.gguf asks for one), so its
 matmuls round nothing.
 """
 

@@ -10,7 +10,7 @@ dynamic_quantize_matmul.cc, matmul_integer_to_float.cc, matmul_nbits.cc):
   divides, it does not multiply by a reciprocal).
 - MatMulInteger (or MatMulIntegerToFloat): the integer products summed exactly in int32, then
   ``float(acc) * float32(a_scale * b_scale)``: exact, so emulated exactly here (float64 holds every int32 sum).
-  x86 without VNNI sums u8 x s8 pairs in int16 with saturation (vpmaddubsw); that is not emulated (see the README).
+  x86 without VNNI sums u8 x s8 pairs in int16 with saturation (vpmaddubsw); that is not emulated (see docs/onnx.md).
 - QDQ: QuantizeLinear with the graph's static scale and zero point, the same division and rounding, saturated to
   int8 or uint8; DequantizeLinear ``(q - zp) * scale``; the MatMul between them in float32 (onnxruntime 1.32 on
   x86 leaves DQ -> MatMul unfused for int8 activations: torch's float32 product of the dequantized values equals
