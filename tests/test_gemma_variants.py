@@ -39,8 +39,10 @@ def mismatches(model: torch.nn.Module, r, prefix: str) -> list[str]:
     ours = {n.hf.replace("{prefix}", prefix): n for n in r.norms}
     for name, module in model.named_modules():
         if name in ours:
-            if module.eps != r["norm.eps"]:
-                problems.append(f"{name}: eps {module.eps} != {r['norm.eps']}")
+            # transformers 5.25's Gemma4RMSNorm keeps it as variance_epsilon, the others as eps
+            eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+            if eps != r["norm.eps"]:
+                problems.append(f"{name}: eps {eps} != {r['norm.eps']}")
             if getattr(module, "with_scale", True) != ours[name].has_weight:
                 problems.append(f"{name}: has_weight")
     for i, layer in enumerate(base.layers):

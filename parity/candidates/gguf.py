@@ -5,8 +5,8 @@ callback (``cb_eval`` in the context parameters) sees every tensor the graph com
 code names them (``attn_norm-0``, ``l_out-0``, ``result_norm``, ...). The tensors in POINTS are read back as
 they are computed and emitted under parity's capture-point names; the points llama.cpp does not materialise
 are reported as not compared. With ``options.ops`` (``--points ops``, a drill-down) the operation-level points are
-read from the same graph (parity.ports.gguf.ops: which tensor holds which op, the scores rebuilt from the softmax's input,
-scale and mask, q/k rows put back in the reference's order); the reference's ops it lacks are named in a warning.
+read from the same graph (parity.ports.gguf.ops: which tensor holds which op, the scores rebuilt from the softmax's
+input, scale and mask, q/k rows put back in the reference's order); the reference's ops it lacks are named in a warning.
 """
 
 from __future__ import annotations
@@ -290,7 +290,8 @@ class GGUFRun:
 
 
 def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dict:
-    """--same-weights: the file's own weights, and llama.cpp's arithmetic, as a reference (parity.ports.gguf.weights)."""
+    """--same-weights: the file's own weights, and llama.cpp's arithmetic, as a reference
+    (parity.ports.gguf.weights)."""
     from parity.ports.gguf.weights import read_back
 
     return read_back(ckpt, Path(path), Path(out))

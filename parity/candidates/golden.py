@@ -1,5 +1,5 @@
-"""Goldens as candidates: the activations a reference produced once (parity.reference.golden), judged against a reference
-like any engine's output, so a golden stands on either side of a check. Against the live checkpoint it was
+"""Goldens as candidates: the activations a reference produced once (parity.reference.golden), judged against a
+reference like any engine's output, so a golden stands on either side of a check. Against the live checkpoint it was
 recorded from, this is drift seen from the other side (``parity golden verify`` puts the golden on the reference
 side, with its recorded noise); against another checkpoint (a re-save, a merge, a newer transformers' save), it
 says whether that checkpoint still computes what the golden holds."""

@@ -1,6 +1,6 @@
-"""``--decode N`` as a check (parity.reference.decode explains the choice of prompt and what is crossed): the reference's
-steps are computed first, so that the reference can be dropped before the candidate loads (the steps are small,
-the models are not); then the candidate runs the prompt and N single-token steps with its own cache, fed the
+"""``--decode N`` as a check (parity.reference.decode explains the choice of prompt and what is crossed): the
+reference's steps are computed first, so that the reference can be dropped before the candidate loads (the steps are
+small, the models are not); then the candidate runs the prompt and N single-token steps with its own cache, fed the
 reference's continuation, and each step's points are judged against the reference's at that position."""
 
 from __future__ import annotations

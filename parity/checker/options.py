@@ -102,7 +102,8 @@ class CheckOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - known)
         if unknown:
-            raise ParityError(f"unknown check option(s) {', '.join(unknown)}; the options are {', '.join(sorted(known))}")
+            raise ParityError(f"unknown check option(s) {', '.join(unknown)}; the options are "
+                              f"{', '.join(sorted(known))}")
         return cls(**given)
 
 

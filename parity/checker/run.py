@@ -1,7 +1,7 @@
 """``parity check``: the run loop. A plan (parity.checker.plan) is made from the options before anything loads;
 then each input is checked (parity.checker.prefill) and merged into the report, the first input is decoded
-(parity.checker.decoding), the first divergence is diagnosed (parity.diagnosis.diagnose) and, with --generate, both sides
-generate greedily.
+(parity.checker.decoding), the first divergence is diagnosed (parity.diagnosis.diagnose) and, with --generate, both
+sides generate greedily.
 
 The reference is a Hugging Face checkpoint run by transformers (eager attention, float32), its capture points
 read by hooks that the adapter's capture map places, or a golden that stored them. The candidate is any kind of

@@ -212,7 +212,8 @@ def convert_cmd(model_dir, target, out, force, adapter_dirs, **formats):
     if target == "gguf":
         from parity.ports.gguf.export import export as to_gguf
 
-        done = to_gguf(model_dir, out, qtype=formats["gguf_type"], force=force, adapter_dirs=adapter_dirs, inject=inject)
+        done = to_gguf(model_dir, out, qtype=formats["gguf_type"], force=force, adapter_dirs=adapter_dirs,
+                       inject=inject)
         click.echo(f"wrote {out}: llama.cpp architecture {done['arch']}, {len(done['tensors'])} tensors, "
                    f"{done['family']}; {done['summary']}")
         return

@@ -92,9 +92,9 @@ def golden_record_cmd(reference, out, prompts, dtype, points, calibrate, storage
     from parity.reference.golden import size
 
     with Console(stderr=True).status("recording") as status:
-        golden = record(reference, out, prompts=prompts, dtype=dtype, points=points, calibrate=calibrate, storage=storage,
-                        force=force, adapter_dirs=adapter_dirs, progress=lambda message: status.update(message),
-                        decode=decode)
+        golden = record(reference, out, prompts=prompts, dtype=dtype, points=points, calibrate=calibrate,
+                        storage=storage, force=force, adapter_dirs=adapter_dirs, decode=decode,
+                        progress=lambda message: status.update(message))
     tokens = ", ".join(str(len(r["ids"])) for r in golden.runs)
     click.echo(f"wrote {out}: {golden.description['family']}, {len(golden.points)} points, {tokens} tokens"
                f"{f' and {decode} decode steps' if decode else ''}, {storage}"

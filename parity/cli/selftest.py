@@ -40,8 +40,8 @@ class Row:
     check: str = "prefill"       # "prefill", or "decode N" (the KV-cache path, N steps)
     prefill_caught: bool | None = None  # a decode row: whether the prefill-only check caught it too
     first_op: str | None = None  # where the drill-down found the first divergence inside its layer (docs/ops.md)
-    # whether that fits where the catalog says the mistake first shows (parity.diagnosis.diagnose.consistent: its op, or one
-    # the candidate did not give before the first that diverged); None: a clean run, a decode row, a mistake
+    # whether that fits where the catalog says the mistake first shows (parity.diagnosis.diagnose.consistent: its op,
+    # or one the candidate did not give before the first that diverged); None: a clean run, a decode row, a mistake
     # outside the layers, or one that first showed outside them (BERT's embedding LayerNorm)
     op_right: bool | None = None
 

@@ -250,7 +250,8 @@ def _mla_dropped(m: dict, t: Tensors) -> None:
 
 
 def _cache_policy(**policy) -> Callable[[dict, Tensors], None]:
-    """A decode bug: the executor's cache (parity.neutral.executor.cache) follows this policy instead of the correct one."""
+    """A decode bug: the executor's cache (parity.neutral.executor.cache) follows this policy instead of the correct
+    one."""
     def inject(m: dict, t: Tensors) -> None:
         m["kv_cache"] = {**m.get("kv_cache", {}), **policy}
     return inject

@@ -175,8 +175,8 @@ def _named(scored: list, baseline: float, where: str, evidence_tail: str) -> lis
 
 def diagnose_decode(reference_dir: Path, kept: dict, ids: torch.Tensor, tokens: list[int], dtype: torch.dtype,
                     adapter_dirs=()) -> list[dict]:
-    """The diagnosis of a check that first fails at a decode step (``kept``: parity.reference.decode's, the step, the point
-    and both sides' tensors there and the step's logits). Each hypothesis of the catalog, the decode bugs (a
+    """The diagnosis of a check that first fails at a decode step (``kept``: parity.reference.decode's, the step, the
+    point and both sides' tensors there and the step's logits). Each hypothesis of the catalog, the decode bugs (a
     cache policy) and the others alike (a sliding window ignored shows only once decoding passes the window),
     is run by the executor from the converted reference: the prompt, then the same tokens, one step at a time
     with its cache, to the failing step."""

@@ -139,8 +139,8 @@ def _widths(ckpt) -> tuple[int, int]:
 
 
 class FileDump:
-    """One dump file: its header, and ``open()`` for its tensors (a directory of rank dumps: parity.dumps.tensor_parallel's
-    RankDumps, read the same way)."""
+    """One dump file: its header, and ``open()`` for its tensors (a directory of rank dumps:
+    parity.dumps.tensor_parallel's RankDumps, read the same way)."""
 
     def __init__(self, path: Path):
         self.path, self.header = Path(path), read_header(path, FIX)

@@ -1,5 +1,5 @@
-"""The neutral layout: ``manifest.json`` (every convention as an explicit value) + safetensors, written (parity.neutral.manifest
-reads it back).
+"""The neutral layout: ``manifest.json`` (every convention as an explicit value) + safetensors, written
+(parity.neutral.manifest reads it back).
 
 ``convert`` streams a Hugging Face checkpoint into it one tensor at a time: tensors get neutral
 names (parity/names.py), GPT-2's Conv1D weights are transposed, fused q/k/v split, stacked experts

@@ -407,7 +407,8 @@ def file_hash(info: dict) -> tuple[str, str]:
 def load(path: Path, *, verify: bool = False, lazy: bool = False) -> tuple[dict, Any]:
     """Read a neutral directory: (manifest, tensors by neutral name). Every file's header is checked, and every
     tensor the manifest lists must be there with the shape and dtype it states, before any tensor is read.
-    ``lazy``: the tensors are a parity.storage.lazy.NeutralSource, read a layer at a time as the executor reaches them."""
+    ``lazy``: the tensors are a parity.storage.lazy.NeutralSource, read a layer at a time as the executor reaches
+    them."""
     path = Path(path)
     manifest = read_manifest(path)
     directory = path if path.is_dir() else path.parent

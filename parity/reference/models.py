@@ -370,8 +370,8 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
     given: nothing else is hooked, so nothing else is held; operation-level points among them are read from the
     adapter's [ops], and are absent from a layer that lacks them). ``on_layer(i)`` is told when layer i is done;
     with ``last``, the forward stops after that layer (a slice of a check needs nothing beyond it);
-    ``arithmetic`` (parity.reference.arithmetic.ggml.Arithmetic): computed as that engine computes; ``attn``, ``compile``: the
-    attention kernel and torch.compile (Models.hf)."""
+    ``arithmetic`` (parity.reference.arithmetic.ggml.Arithmetic): computed as that engine computes; ``attn``,
+    ``compile``: the attention kernel and torch.compile (Models.hf)."""
     model = models.hf(ckpt, dtype, role, attn, compile)
     capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
     op_points = wanted_ops(ckpt, points)

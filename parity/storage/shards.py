@@ -49,7 +49,8 @@ METADATA = "__metadata__"
 # bytes it read, so one digest of them serves the source file's hash and the output file's (a hash of the whole
 # file must see every byte twice, once in each file: that was most of a conversion's CPU), and the parts of a
 # file hash on two threads. Manifests written before record a whole file's BLAKE3 ("blake3") or sha256: HASHES
-# still computes both, to verify them. BLAKE3 ran at 3.3 GB/s on one core of the VM of docs/big-models.md, sha256 at 0.85.
+# still computes both, to verify them. BLAKE3 ran at 3.3 GB/s on one core of the VM of docs/big-models.md, sha256 at
+# 0.85.
 HASH = "blake3_tensors"
 HASHES: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}  # of a whole file
 ALGORITHMS = (HASH, *HASHES)

@@ -1,6 +1,6 @@
 """A GGUF file's own weights read back as a Hugging Face reference (``check --same-weights``), with the arithmetic
-llama.cpp computes them with (parity.reference.arithmetic.ggml), so that the reference computes what a correct port of the file
-computes, and only porting mistakes are left between them.
+llama.cpp computes them with (parity.reference.arithmetic.ggml), so that the reference computes what a correct port of
+the file computes, and only porting mistakes are left between them.
 
 Each tensor is judged on its way back, by its type:
 
@@ -46,9 +46,9 @@ def band(kind: str) -> float:
 def read_back(ckpt, path: Path, out: Path) -> dict:
     """Write into ``out`` the reference checkpoint that holds the GGUF file's own weights, dequantized to float32
     and laid out back as the checkpoint stores them, beside the reference's config and the arithmetic llama.cpp
-    computes them with (parity.reference.arithmetic.ggml.Arithmetic, saved there). Returns what the file held: {"types": {GGML type:
-    count}, "tensors": n, "not_a_quantization": {checkpoint tensor: rel_l2}, "bands": {type: rel_l2}}."""
-    import gguf
+    computes them with (parity.reference.arithmetic.ggml.Arithmetic, saved there). Returns what the file held:
+    {"types": {GGML type: count}, "tensors": n, "not_a_quantization": {checkpoint tensor: rel_l2}, "bands": {type:
+    rel_l2}}.""" import gguf
 
     from parity.checkpoint import stored_tensor_map
     from parity.neutral.converter import build_manifest, restyle_rope

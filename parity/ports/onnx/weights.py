@@ -1,6 +1,6 @@
 """An ONNX file's own weights read back as a Hugging Face reference (``check --same-weights``), with the
-arithmetic onnxruntime's CPU computes them with (parity.reference.arithmetic.ort): for parity's ONNX exports, quantized by
-onnxruntime (parity.ports.onnx.quantize) or not.
+arithmetic onnxruntime's CPU computes them with (parity.reference.arithmetic.ort): for parity's ONNX exports,
+quantized by onnxruntime (parity.ports.onnx.quantize) or not.
 
 Every weight is read where the graph keeps it: a float initializer; a DequantizeLinear of a quantized one (QDQ, or
 the embedding quantize_dynamic quantizes); MatMulInteger's B with its scale and zero point; MatMulNBits' packed

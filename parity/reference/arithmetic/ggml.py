@@ -152,7 +152,7 @@ class Arithmetic:
         if not found.is_file():
             return None
         data = json.loads(found.read_text())
-        if str(data.get("engine", "")).startswith("onnxruntime"):  # parity.reference.arithmetic.ort.OrtArithmetic.load's
+        if str(data.get("engine", "")).startswith("onnxruntime"):  # OrtArithmetic.load's (arithmetic/ort.py)
             return None
         mins = load_file(str(Path(path) / MINS_FILE)) if (Path(path) / MINS_FILE).is_file() else {}
         return Arithmetic(dict(data["matmuls"]), mins, bool(data["gelu_table"]), data["engine"])

@@ -1,5 +1,6 @@
 """onnxruntime's CPU arithmetic for quantized graphs, emulated on a transformers model (the same-weights reference
-of an ONNX file quantized by onnxruntime: parity.ports.onnx.weights), with the interface of parity.reference.arithmetic.ggml.Arithmetic.
+of an ONNX file quantized by onnxruntime: parity.ports.onnx.weights), with the interface of
+parity.reference.arithmetic.ggml.Arithmetic.
 
 Read from onnxruntime's CPU kernels (core/util/qmath.h, core/mlas/lib/quantize.cpp, contrib_ops/cpu/quantization:
 dynamic_quantize_matmul.cc, matmul_integer_to_float.cc, matmul_nbits.cc):
