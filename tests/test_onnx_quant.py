@@ -170,8 +170,8 @@ def test_a_broken_twin_fails_where_its_mistake_acts_and_is_named(made, tmp_path,
 
 def test_quantizing_is_refused_where_it_does_not_apply(made, tmp_path):
     ckpt, _ = made("llama", "int4")
-    for extra, says in ((("--to", "gguf"), "needs --to onnx"), (("--to", "onnx", "--dtype", "float16"), "float32"),
-                        (("--to", "neutral"), "needs --to onnx")):
+    for extra, says in ((("--to", "gguf"), "--onnx-quant applies to --to onnx"), (("--to", "onnx", "--dtype", "float16"), "float32"),
+                        (("--to", "neutral"), "--onnx-quant applies to --to onnx")):
         out = tmp_path / "x.onnx"
         result = _cli("convert", ckpt, *extra, "-o", out, "--onnx-quant", "qdq")
         assert result.exit_code == 2 and says in result.output, result.output

@@ -14,7 +14,7 @@ from parity import render
 from parity.errors import ParityError
 from parity.names import capture_names
 from parity.render import facts as render_facts
-from parity.render import html as render_html
+from parity.render import page as render_html
 from parity.report import PointResult, Report, Tolerance
 
 DESIGN_KEYS = {"parity_report_version", "verdict", "family", "reference", "candidate", "dtype", "mode",

@@ -1,4 +1,4 @@
-"""Render a parity Report: console table, GitHub markdown, one self-contained HTML page (parity.render.html), JUnit
+"""Render a parity Report: console table, GitHub markdown, one self-contained HTML page (parity.render.page), JUnit
 XML, and the files they are written to.
 
 Every format says the same things, in parity.render.facts' words: one row per capture point (rel_l2, tolerance,
@@ -22,9 +22,9 @@ from rich.table import Table
 from rich.text import Text
 
 from parity.errors import ParityError
-from parity.render import facts as facts
+from parity.render import facts
 from parity.render.facts import verdict
-from parity.render.html import html
+from parity.render.page import html
 from parity.report import Report
 
 # --- console ----------------------------------------------------------------------------------

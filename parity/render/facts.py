@@ -1,7 +1,7 @@
 """What every rendering of a parity Report says, as text: numbers with 3 significant digits, a point's status and why
 it failed, the verdict, the mode in words, the sections after the table, the drill-down into the failing layer.
 
-The formats (parity.render: console, markdown, JUnit; parity.render.html: the HTML page) lay these out; they word
+The formats (parity.render: console, markdown, JUnit; parity.render.page: the HTML page) lay these out; they word
 nothing themselves, so that every format says the same thing in the same words.
 """
 
