@@ -31,6 +31,7 @@ from parity.checkpoint.inputs import check_length
 from parity.checkpoint.lengths import exercised
 from parity.errors import ParityError
 from parity.reference.models import Models, first_device
+from parity.reference.structure import discover
 from parity.report import Report
 
 
@@ -280,7 +281,7 @@ def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.d
     kind, path = candidate_kind(path)
     with torch.no_grad():
         if kind.name == "transformers":  # no hooks at all
-            model = models.hf(open_checkpoint(Path(path), adapter_dirs), dtype)
+            model = models.hf(open_checkpoint(Path(path), adapter_dirs, discover=discover), dtype)
             out = model(input_ids=ids.to(first_device(model, device)))
             return out.logits if getattr(out, "logits", None) is not None else out[0]
         last: dict[str, torch.Tensor] = {}
