@@ -29,6 +29,7 @@ KIND = "transformers"
 TAKES = "a Hugging Face checkpoint (config.json)"
 ALIASES = ("hf", "huggingface")
 ISOLATES = True     # pre-hooks replace each layer's input
+GENERIC = True      # reads points by module path or name: checks a model no adapter knows
 OPTIONS = ("last", "attn", "compile")  # a slice stops after its last layer; --candidate-attn, --compile
 
 # What a kernel cannot compute, as (adapter setting, why): a property of the kernel and of the config value the

@@ -207,7 +207,7 @@ def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
     by_name = {c.name: c for c in r.capture}
     targets = [(i, by_name[f"layers.{i}.out"].module) for i in range(r.num_layers)]
     after = next((by_name[n] for n in ("final_norm", "logits") if n in by_name), None)
-    if after is not None:
+    if after is not None and after.module:  # the model itself ("") takes token ids, not a layer's output
         targets.append((r.num_layers, after.module))
     handles = []
     for i, path in targets:
