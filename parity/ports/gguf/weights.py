@@ -48,7 +48,8 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     and laid out back as the checkpoint stores them, beside the reference's config and the arithmetic llama.cpp
     computes them with (parity.reference.arithmetic.ggml.Arithmetic, saved there). Returns what the file held:
     {"types": {GGML type: count}, "tensors": n, "not_a_quantization": {checkpoint tensor: rel_l2}, "bands": {type:
-    rel_l2}}.""" import gguf
+    rel_l2}}."""
+    import gguf
 
     from parity.checkpoint import stored_tensor_map
     from parity.neutral.converter import build_manifest, restyle_rope
