@@ -187,3 +187,16 @@ def test_code_a_checkpoint_brings_is_never_run(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     code, output = check("--reference", tmp_path / "m", "--candidate", tmp_path / "m")
     assert code == 2 and "unsupported architecture MyPhiForCausalLM" in _error(output)
+
+
+def test_weights_missing_from_a_generic_checkpoint_are_refused(tiny, tmp_path):
+    """No tensor map to check them against: transformers' own loading info says what it did not find, which it
+    would otherwise initialise at random."""
+    ref, _ = tiny("starcoder2")
+    shutil.copytree(ref, tmp_path / "m")
+    tensors = load_file(ref / "model.safetensors")
+    dropped = next(n for n in tensors if n.endswith("layers.1.mlp.c_fc.weight"))
+    del tensors[dropped]
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    code, output = check("--reference", ref, "--candidate", tmp_path / "m", "--layerwise")
+    assert code == 2 and "found no weights" in _error(output) and dropped in _error(output)
