@@ -206,6 +206,13 @@ class Resolved:
         conventions unknown."""
         return self.adapter.generic
 
+    @property
+    def embedding_shape(self) -> tuple[int, ...]:
+        """The token embedding's [vocab, hidden]: its tensor's, else (a generated adapter, which maps no tensor) the
+        ``embedding_shape`` it derives."""
+        found = next((t.shape for t in self.tensors if t.neutral == ("embed.tokens.weight",)), None)
+        return found if found is not None else tuple(self.env["embedding_shape"])
+
     def __getitem__(self, key: str) -> Any:
         """Model-level value of ``section.name`` (per-layer settings return their list)."""
         return self.settings[key].value

@@ -337,7 +337,7 @@ def open_golden(path: Path, adapter_dirs=()) -> Golden:
     if strange or len(set(points)) != len(points):
         raise ParityError(f"{file}: capture_points must be distinct capture points of this {resolved.family} model; "
                           f"{', '.join(strange[:5]) or 'some appear twice'}; record the golden again")
-    vocab, hidden = next(t.shape for t in resolved.tensors if t.neutral == ("embed.tokens.weight",))
+    vocab, hidden = resolved.embedding_shape
     for run in description["runs"]:
         _check_run(path, run, points, vocab, hidden)
     ckpt = Checkpoint(path, file, config, adapter, variant, resolved, files=[], tensors={})

@@ -12,8 +12,8 @@ and read for where its capture points are:
 - the sublayer outputs: the projections the config's ``base_model_tp_plan`` shards rowwise (an attention's output
   projection, an MLP's down projection; experts' projections are not a sublayer's output), else the attention
   module's output;
-- the final norm: the module ``base_model_pp_plan`` lists after the layers, else the base model's one child
-  with weights besides the embedding and the layers;
+- the final norm: the module ``base_model_pp_plan`` lists after the layers, else the one child with weights of
+  the module holding the layers, besides the embeddings and the layers;
 - ``logits``: the model's output, where it has an LM head.
 
 What is found is written as adapter data (a generated parity.adapter.Adapter: a capture map, the embedding's
@@ -173,12 +173,14 @@ def _final_norm(model, cfg, base: str, container: str, embedding) -> str | None:
                 return path
             except AttributeError:
                 continue
-    owner = model.get_submodule(base) if base else model
+    owner_path = container.rpartition(".")[0]  # the module whose forward runs the layers
+    owner = model.get_submodule(owner_path) if owner_path else model
     rest = [name for name, child in owner.named_children()
-            if child is not embedding and (f"{base}.{name}" if base else name) != container
+            if child is not embedding and not isinstance(child, torch.nn.Embedding)
+            and (f"{owner_path}.{name}" if owner_path else name) != container
             and any(True for _ in child.parameters())]
     if len(rest) == 1:
-        return f"{base}.{rest[0]}" if base else rest[0]
+        return f"{owner_path}.{rest[0]}" if owner_path else rest[0]
     return None
 
 
@@ -237,15 +239,11 @@ def discover(config: dict, source: str = "config.json") -> Adapter | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         capture["logits"] = {"module": "", "io": "output", "field": "logits"}
-    tensors = []
     weight = getattr(embedding, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        name = next(p for p, t in model.named_parameters() if t is weight)
-        tensors.append({"hf": name, "neutral": "embed.tokens.weight", "shape": [str(s) for s in weight.shape]})
-        found["embedding"] = name.removesuffix(".weight")
-    else:
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):
         raise ParityError(f"{source}: {cls.__name__}: no token embedding found (get_input_embeddings); parity checks "
                           f"it only with an adapter (--adapters DIR)")
+    found["embedding"] = next(p for p, m in model.named_modules() if m is embedding)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     causal = cls.__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
@@ -255,7 +253,8 @@ def discover(config: dict, source: str = "config.json") -> Adapter | None:
         "description": f"{cls.__name__} as transformers builds it: structure discovered, conventions unknown",
         "variants": [{"architectures": [cls.__name__], "model_type": str(config["model_type"]), "tensor_prefix": [""],
                       "module_prefix": "", "lm_head": head is not None}],
-        "derive": {"num_layers": {"expr": str(n)}},
+        # no tensor map (transformers' own loading info says what a checkpoint lacks); the embedding's shape alone
+        "derive": {"num_layers": {"expr": str(n)}, "embedding_shape": {"expr": str(list(weight.shape))}},
         **_PLACEHOLDERS,
         "attention": {"causal": causal, "heads": heads if isinstance(heads, int) and heads > 0 else 1,
                       "kv_heads": getattr(cfg, "num_key_value_heads", None) or 1, "head_dim": 0, "q_bias": False,
@@ -264,7 +263,7 @@ def discover(config: dict, source: str = "config.json") -> Adapter | None:
                       "rope_theta": False, "rope_style": "none", "rotary_dim": False, "rope_scaling": False,
                       "rope_dtype": "model"},
         "embedding": {"tied": False},
-        "norms": [], "tensors": tensors, "capture": capture,
+        "norms": [], "tensors": [], "capture": capture,
         "tiny": {"architecture": cls.__name__, "layers": n, "config": {}},
     })
     return Adapter(spec, Path(f"<transformers {cls.__name__}>"), unknown=UNKNOWN,
