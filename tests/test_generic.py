@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 from parity.cli import cli
 from parity.errors import ParityError
 
-pytestmark = pytest.mark.family
 
 # The issue's done-when list: none of them has an adapter
 ARCHITECTURES = ["gpt_neox", "cohere", "granite", "gpt_oss", "starcoder2", "falcon", "stablelm", "phi"]
@@ -218,7 +217,6 @@ def _causal_lms() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type", _causal_lms())
 def test_every_causal_lm_transformers_lists(model_type, tmp_path):
     """Every causal LM transformers lists that a test can build tiny: itself exit 0, a twin with layer 1's weights
