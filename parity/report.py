@@ -88,6 +88,9 @@ class Report:
     # the first diverging layer op by op (docs/ops.md, "Report keys"): {"layer", "how", "fed", "ops" (point results,
     # PointResult.to_json() dicts, in forward order), "first", "op_before", "concentration", "summary"}; None: none
     drilldown: dict | None = None
+    # a model no adapter knows (docs/generic.md): {"family_known": false, "model_type", "discovered" (where its
+    # structure was found), "unchecked" (the conventions no check covers)}; None: the family's adapter was read
+    generic: dict | None = None
 
     @property
     def failing(self) -> list[PointResult]:
@@ -132,6 +135,7 @@ class Report:
             "parity_report_version": REPORT_VERSION,
             "verdict": self.verdict,
             "family": self.family,
+            "family_known": self.generic is None,
             "reference": self.reference,
             "candidate": self.candidate,
             "dtype": self.dtype,
@@ -154,6 +158,7 @@ class Report:
             "decode": self.decode,
             "drilldown": None if self.drilldown is None else {**self.drilldown, "ops": [
                 op.to_json() if isinstance(op, PointResult) else op for op in self.drilldown.get("ops") or []]},
+            "generic": self.generic,
         }
 
     @classmethod
@@ -189,7 +194,8 @@ class Report:
                        matching=_typed(data.get("matching"), (dict, type(None)), "matching"),
                        generation=_typed(data.get("generation"), (dict, type(None)), "generation"), layers=layers,
                        decode=_typed(data.get("decode"), (dict, type(None)), "decode"),
-                       drilldown=_drilldown(data.get("drilldown")))
+                       drilldown=_drilldown(data.get("drilldown")),
+                       generic=_typed(data.get("generic"), (dict, type(None)), "generic"))
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ParityError(f"{source}: a parity report with a missing or malformed field "
                               f"({str(exc)[:120]!r}); {fix}") from None

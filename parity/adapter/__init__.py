@@ -71,7 +71,7 @@ __all__ = [
     "MLPConvention", "NormConvention", "NormModule", "OpPoint", "Param", "PositionConvention", "Resolved",
     "ResolvedBuffer", "ResolvedCapture",
     "ResolvedNorm", "ResolvedTensor", "Setting", "Split", "TensorEntry", "Tiny", "Value", "Variant", "builtin_dir",
-    "ignored", "load_adapter", "load_all", "recognise", "resolve", "resolved_data", "rope_settings", "search_path",
+    "ignored", "load_adapter", "load_all", "needs_family", "recognise", "resolve", "resolved_data", "rope_settings", "search_path",
     "text_config",
 ]
 
@@ -91,9 +91,19 @@ def recognise(config: dict, adapters: dict[str, Adapter], source: str = "config.
                     return adapter, variant
     what = ", ".join(archs) or f"model_type {model_type!r}"
     raise ParityError(
-        f"{source}: unsupported architecture {what}; supported families: {', '.join(adapters)} "
-        f"(add one with --adapters DIR)"
+        f"{source}: unsupported architecture {what}: this needs its family's conventions (an adapter); supported "
+        f"families: {', '.join(adapters)} (add one with --adapters DIR; `parity check` compares a model of "
+        f"transformers' own classes layer by layer without one)"
     )
+
+
+def needs_family(resolved: Resolved, what: str) -> None:
+    """Refuse ``what`` for a model whose adapter was generated (its structure discovered from transformers): it
+    needs the family's conventions, which only an adapter file states."""
+    if resolved.generic:
+        raise ParityError(f"{what} needs the family's conventions (norms, RoPE, the tensor map of the neutral "
+                          f"layout), and {resolved.family} has no adapter: parity only compares it layer by layer "
+                          f"(add an adapter with --adapters DIR)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,6 +199,19 @@ class Resolved:
     @property
     def family(self) -> str:
         return self.adapter.family
+
+    @property
+    def generic(self) -> bool:
+        """No adapter file: the structure discovered from transformers (parity.reference.structure), the family's
+        conventions unknown."""
+        return self.adapter.generic
+
+    @property
+    def embedding_shape(self) -> tuple[int, ...]:
+        """The token embedding's [vocab, hidden]: its tensor's, else (a generated adapter, which maps no tensor) the
+        ``embedding_shape`` it derives."""
+        found = next((t.shape for t in self.tensors if t.neutral == ("embed.tokens.weight",)), None)
+        return found if found is not None else tuple(self.env["embedding_shape"])
 
     def __getitem__(self, key: str) -> Any:
         """Model-level value of ``section.name`` (per-layer settings return their list)."""

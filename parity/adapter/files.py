@@ -32,7 +32,7 @@ import fnmatch
 import os
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Union, get_args, get_origin
 
@@ -61,6 +61,15 @@ class Adapter:
     spec: AdapterFile
     path: Path
     bases: tuple[Path, ...] = ()   # the files it extends, nearest first
+    # a generated adapter (parity.reference.structure): the conventions it cannot tell, and where its structure was
+    # found; empty for an adapter file
+    unknown: tuple[str, ...] = ()
+    discovered: dict | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def generic(self) -> bool:
+        """Generated from transformers' own model class: its structure known, its family's conventions not."""
+        return bool(self.unknown)
 
     @property
     def family(self) -> str:

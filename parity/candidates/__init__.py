@@ -29,6 +29,9 @@ and optionally::
     def make_decoder(candidate, ids, tokens) -> run(emit)
                                                     # --decode: the prompt, then one step per token with its own
                                                     # cache; emit(step, point, tensor [1, 1, width]) for steps 1..
+    GENERIC = False                                 # reads the points by module path or by name, nothing of the
+                                                    # family's conventions: it checks a model no adapter knows
+                                                    # (its structure discovered from transformers)
     def check_options(options, ckpt, stream)     # refuse, when the plan is made, options this path cannot run
     def same_weights(ckpt, path, out, engine) -> dict
                                                     # write a reference holding its own weights (--same-weights;
@@ -115,6 +118,7 @@ class Kind:
     check_options: Callable | None = None
     arithmetic: Callable | None = None
     takes: str = ""
+    generic: bool = False
 
     @property
     def injects(self) -> bool:
@@ -137,7 +141,8 @@ def kinds() -> dict[str, Kind]:
                                    tuple(getattr(m, "ALIASES", ())), engine, getattr(m, "REQUIRES", None),
                                    *(getattr(m, f, None) for f in ("validate", "shapes", "describe", "check_span",
                                                                    "make_decoder", "same_weights", "check_options",
-                                                                   "arithmetic")), getattr(m, "TAKES", ""))
+                                                                   "arithmetic")), getattr(m, "TAKES", ""),
+                                   generic=getattr(m, "GENERIC", False))
     return {k.name: k for k in (_loaded[m] for m in KINDS + ENGINES)}
 
 

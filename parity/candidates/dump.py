@@ -11,6 +11,7 @@ from parity.dumps.tensor_parallel import RankDumps, is_rank_dir
 
 KIND = "dump"
 TAKES = "an engine dump (.safetensors, or a directory of rank*.safetensors)"
+GENERIC = True      # reads points by module path or name: checks a model no adapter knows
 
 
 def detect(path: Path) -> bool:

@@ -14,6 +14,7 @@ from parity.errors import ParityError
 
 KIND = "golden"
 TAKES = "a golden (golden.json)"
+GENERIC = True      # reads points by module path or name: checks a model no adapter knows
 
 
 def detect(path: Path) -> bool:

@@ -23,11 +23,13 @@ from parity.checkpoint import inventory, open_checkpoint, refuse_mismatched, wei
 from parity.errors import ParityError
 from parity.reference.capture import ATTENTION
 from parity.reference.models import hf_decoder, hf_runner
+from parity.reference.structure import discover
 
 KIND = "transformers"
 TAKES = "a Hugging Face checkpoint (config.json)"
 ALIASES = ("hf", "huggingface")
 ISOLATES = True     # pre-hooks replace each layer's input
+GENERIC = True      # reads points by module path or name: checks a model no adapter knows
 OPTIONS = ("last", "attn", "compile")  # a slice stops after its last layer; --candidate-attn, --compile
 
 # What a kernel cannot compute, as (adapter setting, why): a property of the kernel and of the config value the
@@ -44,7 +46,7 @@ def detect(path: Path) -> bool:
 
 def validate(path: Path, adapter_dirs=()) -> None:
     """Refused before anything is loaded: an unknown family, or tensors that do not match the config."""
-    refuse_mismatched(open_checkpoint(Path(path), adapter_dirs), "--candidate")
+    refuse_mismatched(open_checkpoint(Path(path), adapter_dirs, discover=discover), "--candidate")
 
 
 def kernels() -> list[str]:
@@ -131,7 +133,7 @@ def points(candidate, ckpt, attn: str, compile: bool) -> set[str] | None:
 
 
 def make_runner(candidate, ids: torch.Tensor, feed):
-    ckpt = open_checkpoint(Path(candidate.path), candidate.models.adapter_dirs)
+    ckpt = open_checkpoint(Path(candidate.path), candidate.models.adapter_dirs, discover=discover)
     attn, compile = kernel(candidate, ckpt)
     return _built(hf_runner(candidate.models, ckpt, candidate.dtype, ids, feed, "candidate",
                             points=points(candidate, ckpt, attn, compile), last=candidate.options.last, attn=attn,
@@ -140,7 +142,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """Decoded with transformers' own cache classes (the cache its config asks for), which checks them too."""
-    ckpt = open_checkpoint(Path(candidate.path), candidate.models.adapter_dirs)
+    ckpt = open_checkpoint(Path(candidate.path), candidate.models.adapter_dirs, discover=discover)
     attn, compile = kernel(candidate, ckpt)
     return _built(hf_decoder(candidate.models, ckpt, candidate.dtype, ids, tokens, attn=attn, compile=compile,
                              points=points(candidate, ckpt, attn, compile)), attn, compile)

@@ -43,6 +43,7 @@ from parity.errors import ParityError
 KIND = "python"
 ALIASES = ("python-engine",)
 EXPLICIT = True     # any .py file could be one: taken only as python:FILE.py
+GENERIC = True      # reads points by module path or name: checks a model no adapter knows
 ENGINE_OPTIONS = {"entry": "the function of the file to call (default: build with POINTS, else run)"}
 
 

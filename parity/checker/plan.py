@@ -184,6 +184,8 @@ def make_plan(reference: Path, candidate: Path, options: CheckOptions, arithmeti
     candidate_device = resolve_device(o.candidate_device) if o.candidate_device else device
     if candidate_device == "auto":  # spreading over GPUs is for transformers models; the executor takes one
         candidate_device = resolve_device("cuda") if device_count() else "cpu"
+    if ckpt.resolved.generic:  # no adapter: only what reads the points by module path or name
+        _check_generic(ckpt, kind, candidate, inject)
     if inject and not kind.injects:
         raise ParityError(f"--inject needs a neutral candidate (the executor runs the mistake); {candidate} is "
                           f"{kind.name}")
@@ -197,8 +199,9 @@ def make_plan(reference: Path, candidate: Path, options: CheckOptions, arithmeti
         kind.validate(Path(candidate), adapter_dirs)
     ops = points == "ops"
     if ops and not truth.stored and not op_points(ckpt):
-        raise ParityError(f"--points ops: the {ckpt.resolved.family} adapter maps no operation-level points (its "
-                          f"[ops] table); drop --points ops")
+        what = ("has no adapter (its structure was discovered from transformers): no operation-level points"
+                if ckpt.resolved.generic else "adapter maps no operation-level points (its [ops] table)")
+        raise ParityError(f"--points ops: the {ckpt.resolved.family} {what}; drop --points ops")
     given = _candidate_options(kind, o, span, ops)
     side = CandidateSide(kind, Path(candidate), given, DTYPES[dtype], ckpt)
     chosen = stream is None
@@ -216,6 +219,19 @@ def make_plan(reference: Path, candidate: Path, options: CheckOptions, arithmeti
     return Plan(truth, side, dtype, o.layerwise or ops, isolate, calibrate, quantized, arithmetic, tolerances, inputs,
                 span, decode, generate, bool(stream), chosen and bool(stream), device, candidate_device, o.diagnose,
                 weights, tuple(adapter_dirs), ops)
+
+
+def _check_generic(ckpt, kind: Kind, candidate: Path, inject: str | None) -> None:
+    """A model no adapter knows (its structure discovered from transformers) is compared layer by layer, and
+    nothing more: refuse what needs its family's conventions."""
+    from parity.adapter import needs_family
+
+    if inject:
+        needs_family(ckpt.resolved, "--inject (a neutral candidate running a catalogued mistake)")
+    if not kind.generic:
+        able = ", ".join(k for k, c in candidates.kinds().items() if c.generic)
+        needs_family(ckpt.resolved, f"--candidate {candidate}: a {kind.name} candidate (kinds that check a model "
+                                    f"without an adapter: {able})")
 
 
 def _decode_prompt(truth, isolate: bool, layers: str | None, n: int, prompt, ids, length, inputs_file) -> int | None:

@@ -53,7 +53,7 @@ class Prompt:
 def points_fit(plan: Plan, ids: torch.Tensor, points: set[str]) -> bool:
     """Whether the reference's float32 points (the logits [positions, vocabulary] included) take under a tenth of
     the free space where temporary files go (they wait there for the candidate, not in memory)."""
-    vocab, hidden = next(t.shape for t in plan.checkpoint.resolved.tensors if t.neutral == ("embed.tokens.weight",))
+    vocab, hidden = plan.checkpoint.resolved.embedding_shape
     nbytes = ids.numel() * 4 * sum(vocab if p == "logits" else hidden for p in points)
     return nbytes < 0.1 * shutil.disk_usage(tempfile.gettempdir()).free
 

@@ -30,6 +30,7 @@ from parity.reference.golden import (
     select_points,
 )
 from parity.reference.models import DTYPES, Models, Stream, hf_runner, layer_inputs, would_not_fit
+from parity.reference.structure import discover
 from parity.storage import atomic
 
 
@@ -96,7 +97,7 @@ def record(reference: Path, out: Path, *, prompts: Prompts = Prompts(), dtype: s
         raise ParityError(f"--storage {storage!r} is not one of {', '.join(STORAGE)}")
     if is_golden(Path(reference)):
         raise ParityError(f"{reference} is a golden; record from the Hugging Face checkpoint it was recorded from")
-    ckpt = open_checkpoint(Path(reference), adapter_dirs)
+    ckpt = open_checkpoint(Path(reference), adapter_dirs, discover=discover)
     if not ckpt.has_weights:
         raise ParityError(f"{reference}: no weights; give a Hugging Face checkpoint directory")
     selected = select_points(ckpt, points)

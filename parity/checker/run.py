@@ -31,6 +31,7 @@ from parity.checkpoint.inputs import check_length
 from parity.checkpoint.lengths import exercised
 from parity.errors import ParityError
 from parity.reference.models import Models, first_device
+from parity.reference.structure import discover
 from parity.report import Report
 
 
@@ -107,6 +108,14 @@ def _new_report(plan: Plan) -> Report:
                     mode="isolated" if plan.isolate else "free", layerwise=plan.layerwise, calibrated=plan.calibrate)
     if not plan.span.whole:
         report.layers = plan.span.to_json()
+    r = plan.checkpoint.resolved
+    if r.generic:  # no adapter: the structure discovered from transformers, the conventions unknown
+        found = r.adapter.discovered or {}
+        report.generic = {"family_known": False, "model_type": r.family, "discovered": found,
+                          "unchecked": list(r.adapter.unknown)}
+        report.warnings.append(f"family unknown: {r.family} has no adapter, so its structure was discovered from "
+                               f"{found.get('from', 'transformers')} and only its capture points are compared; not "
+                               f"checked: {'; '.join(r.adapter.unknown)}; no diagnosis beyond the first divergence")
     if plan.follows:  # isolated the other way round: the candidate cannot be fed
         report.reference["fed"] = "the candidate's input to each layer"
     q = plan.checkpoint.quantization
@@ -131,7 +140,7 @@ def _decode(plan: Plan, models: Models, stepped, report: Report, say: Callable[[
 def _diagnose(plan: Plan, report: Report, kept_by_run: dict[int, dict], decoded, say: Callable[[str], None]) -> None:
     """Name the likely mistake at the first divergence, re-running the executor on the checkpoint's weights."""
     first = report.first_divergence
-    if not plan.diagnose or first is None:
+    if not plan.diagnose or first is None or plan.checkpoint.resolved.generic:  # generic: said in the warnings
         return
     if plan.weights is None:
         report.warnings.append("no diagnosis: naming the likely mistake needs the weights; pass --checkpoint DIR")
@@ -280,7 +289,7 @@ def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.d
     kind, path = candidate_kind(path)
     with torch.no_grad():
         if kind.name == "transformers":  # no hooks at all
-            model = models.hf(open_checkpoint(Path(path), adapter_dirs), dtype)
+            model = models.hf(open_checkpoint(Path(path), adapter_dirs, discover=discover), dtype)
             out = model(input_ids=ids.to(first_device(model, device)))
             return out.logits if getattr(out, "logits", None) is not None else out[0]
         last: dict[str, torch.Tensor] = {}

@@ -27,6 +27,7 @@ from parity.checkpoint import Checkpoint, open_checkpoint, refuse_mismatched
 from parity.checkpoint.inputs import Inputs, select_inputs
 from parity.errors import ParityError
 from parity.reference.models import Emit, Models, hf_runner, replay_steps
+from parity.reference.structure import discover
 
 
 class TransformersSide:
@@ -39,7 +40,7 @@ class TransformersSide:
     def __init__(self, path: Path, adapter_dirs=(), arithmetic=None):
         """``arithmetic`` (parity.reference.arithmetic): run as that engine computes (a same-weights reference)."""
         self.path = Path(path)
-        self.checkpoint: Checkpoint = open_checkpoint(self.path, adapter_dirs)
+        self.checkpoint: Checkpoint = open_checkpoint(self.path, adapter_dirs, discover=discover)
         self.arithmetic = arithmetic
         self.notes = Notes()
 

@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional
 
 from parity.adapter import (
     Adapter,
@@ -26,6 +27,9 @@ from parity.errors import ParityError
 from parity.storage.jsonfile import read_json
 from parity.storage.quantization import FP8_DTYPES, BlockFP8, read_quantization, scale_name, scale_shape
 from parity.storage.shards import read_header
+
+# (config, its file's name) -> a generated adapter, or None (parity.reference.structure.discover)
+Discover = Callable[[dict, str], Optional[Adapter]]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -311,9 +315,18 @@ class Checkpoint:
         return check_tensors(self.resolved, self.tensors, self.quantization)
 
 
-def resolve_config(config: dict, cfg_path: Path, adapters: dict[str, Adapter]) -> tuple[Adapter, Variant, Resolved]:
-    """A (checked) config's family, on-disk variant and every convention, through its adapter."""
-    adapter, variant = recognise(config, adapters, str(cfg_path))
+def resolve_config(config: dict, cfg_path: Path, adapters: dict[str, Adapter],
+                   discover: Discover | None = None) -> tuple[Adapter, Variant, Resolved]:
+    """A (checked) config's family, on-disk variant and every convention, through its adapter. ``discover``
+    (parity.reference.structure.discover): where no adapter recognises the config, the adapter generated from
+    transformers' own model class, if it has one; without it, such a config is refused."""
+    try:
+        adapter, variant = recognise(config, adapters, str(cfg_path))
+    except ParityError:
+        generated = discover(config, str(cfg_path)) if discover is not None else None
+        if generated is None:
+            raise
+        adapter, variant = generated, generated.spec.variants[0]
     inner = text_config(config, variant, str(cfg_path))
     try:
         resolved = resolve(adapter, variant, inner, wrapper=config if inner is not config else None)
@@ -325,12 +338,14 @@ def resolve_config(config: dict, cfg_path: Path, adapters: dict[str, Adapter]) -
     return adapter, variant, resolved
 
 
-def open_checkpoint(path: Path, adapter_dirs=(), *, adapters: dict[str, Adapter] | None = None) -> Checkpoint:
-    """Read a checkpoint's config, find its family, and list its tensors (no weights loaded)."""
+def open_checkpoint(path: Path, adapter_dirs=(), *, adapters: dict[str, Adapter] | None = None,
+                    discover: Discover | None = None) -> Checkpoint:
+    """Read a checkpoint's config, find its family, and list its tensors (no weights loaded). ``discover``: as
+    resolve_config's, given by the features that work without a family's conventions (a layerwise check)."""
     path = Path(path)
     config, cfg_path = read_config(path)
     adapter, variant, resolved = resolve_config(config, cfg_path, adapters if adapters is not None
-                                                else load_all(adapter_dirs))
+                                                else load_all(adapter_dirs), discover)
     quantization = read_quantization(config, str(cfg_path))
     files = weight_files(path) if path.is_dir() else []
     tensors = inventory(files)

@@ -23,7 +23,7 @@ class Inputs:
 
 def make_inputs(ckpt: Checkpoint, *, prompt: str | None = None, ids: list[int] | None = None,
                 length: int | None = None) -> Inputs:
-    vocab = next(t.shape[0] for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))
+    vocab = ckpt.resolved.embedding_shape[0]
     given = [x is not None for x in (prompt, ids, length)]
     if sum(given) > 1:
         raise ParityError("give at most one of --prompt, --ids, --inputs, --length")

@@ -135,7 +135,7 @@ def _expected(name: str, capture: set[str], num_layers: int) -> bool:
 
 def _widths(ckpt) -> tuple[int, int]:
     """(vocabulary, hidden size) of the reference: its embedding matrix."""
-    return next(t.shape for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))
+    return ckpt.resolved.embedding_shape
 
 
 class FileDump:

@@ -37,6 +37,7 @@ from parity.checkpoint import Checkpoint, check_config, inside, open_checkpoint,
 from parity.checkpoint.inputs import Inputs, make_inputs, read_inputs_file
 from parity.errors import ParityError
 from parity.reference.models import Emit, replay_steps
+from parity.reference.structure import discover
 from parity.storage.jsonfile import StrictSpec, check_schema, read_json
 from parity.storage.shards import FLOAT_DTYPES, read_header, sha256_file
 
@@ -201,7 +202,7 @@ class Golden:
 
     def match(self, directory: Path, adapter_dirs=()) -> None:
         """Raise unless ``directory`` is the checkpoint the golden was recorded from (by sha256)."""
-        ckpt = open_checkpoint(Path(directory), adapter_dirs)
+        ckpt = open_checkpoint(Path(directory), adapter_dirs, discover=discover)
         want, got = self.description["checkpoint"]["sha256"], checkpoint_sha256(ckpt)
         problems = []
         for name in sorted(want.keys() | got.keys()):
@@ -326,7 +327,7 @@ def open_golden(path: Path, adapter_dirs=()) -> Golden:
         raise ParityError(f"{path}: no {DESCRIPTION}; give a directory written by `parity golden record`")
     description = _read_description(file)
     config = description["checkpoint"]["config"]
-    adapter, variant, resolved = resolve_config(config, file, load_all(adapter_dirs))
+    adapter, variant, resolved = resolve_config(config, file, load_all(adapter_dirs), discover)
     if resolved.family != description["family"]:
         raise ParityError(f"{file}: recorded as {description['family']} but its config reads as {resolved.family} "
                           f"with these adapters; check --adapters")
@@ -336,7 +337,7 @@ def open_golden(path: Path, adapter_dirs=()) -> Golden:
     if strange or len(set(points)) != len(points):
         raise ParityError(f"{file}: capture_points must be distinct capture points of this {resolved.family} model; "
                           f"{', '.join(strange[:5]) or 'some appear twice'}; record the golden again")
-    vocab, hidden = next(t.shape for t in resolved.tensors if t.neutral == ("embed.tokens.weight",))
+    vocab, hidden = resolved.embedding_shape
     for run in description["runs"]:
         _check_run(path, run, points, vocab, hidden)
     ckpt = Checkpoint(path, file, config, adapter, variant, resolved, files=[], tensors={})

@@ -133,7 +133,10 @@ def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device:
                 model.set_attn_implementation(attn)
         else:
             place = {} if device == "cpu" else {"device_map": device}
-            model = cls.from_pretrained(ckpt.path, attn_implementation=attn, dtype=dtype, **place, **extra).eval()
+            model, loading = cls.from_pretrained(ckpt.path, attn_implementation=attn, dtype=dtype, **place, **extra,
+                                                 output_loading_info=True)
+            model.eval()
+            _refuse_missing(ckpt, loading)
     except (MemoryError, ParityError):
         raise
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a damaged checkpoint
@@ -149,6 +152,17 @@ def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device:
     if compile:
         compile_between_points(model, {c.module for c in ckpt.resolved.capture}, ckpt.resolved.num_layers)
     return model
+
+
+def _refuse_missing(ckpt: Checkpoint, loading: dict) -> None:
+    """A model no adapter knows has no tensor map to check its weights against before it loads (an adapter's is
+    checked by refuse_mismatched): a weight transformers did not find would be initialised at random, and the
+    verdict would be about noise."""
+    missing = sorted(loading.get("missing_keys") or [])
+    if ckpt.resolved.generic and missing:
+        raise ParityError(f"{ckpt.path}: transformers found no weights for {len(missing)} parameter(s) of "
+                          f"{ckpt.variant.architectures[0]} ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})"
+                          f"; check that config.json belongs to these weights")
 
 
 def compile_between_points(model, hooked: set[str], layers: int) -> list[str]:
@@ -207,7 +221,7 @@ def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
     by_name = {c.name: c for c in r.capture}
     targets = [(i, by_name[f"layers.{i}.out"].module) for i in range(r.num_layers)]
     after = next((by_name[n] for n in ("final_norm", "logits") if n in by_name), None)
-    if after is not None:
+    if after is not None and after.module:  # the model itself ("") takes token ids, not a layer's output
         targets.append((r.num_layers, after.module))
     handles = []
     for i, path in targets:

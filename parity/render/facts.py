@@ -190,7 +190,8 @@ def headers(report: Report) -> list[str]:
 
 def title(report: Report) -> str:
     ref, cand = report.reference, report.candidate
-    return (f"parity {report.family}: {cand.get('kind', '?')} {cand.get('path', '')} vs "
+    family = report.family if report.generic is None else f"{report.family} (family unknown: no adapter)"
+    return (f"parity {family}: {cand.get('kind', '?')} {cand.get('path', '')} vs "
             f"{ref.get('kind', '?')} {ref.get('path', '')} ({report.dtype}, {mode_words(report)[0]})")
 
 
