@@ -67,6 +67,10 @@ def test_an_unknown_option_is_refused_with_the_known_ones():
         parity.check("r", "c", layer_wise=True)
     with pytest.raises(ParityError, match="unknown check option"):
         CheckOptions.of(colour="red")
+    with pytest.raises(ParityError, match="unknown check option"):  # over an options object too
+        parity.check("r", "c", CheckOptions(layerwise=True), colour="red")
+    assert CheckOptions.of(CheckOptions(layerwise=True), dtype="float16") == CheckOptions(layerwise=True,
+                                                                                        dtype="float16")
 
 
 def test_lists_become_tuples_so_that_options_stay_frozen():

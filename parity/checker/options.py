@@ -8,7 +8,7 @@ builds its click options from these fields (parity.cli.common.check_options). Th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from parity.errors import ParityError
@@ -96,15 +96,15 @@ class CheckOptions:
                 object.__setattr__(self, name, tuple(value))
 
     @classmethod
-    def of(cls, **given) -> CheckOptions:
-        """The options from keyword arguments (``parity.check``'s), each name checked: an unknown one is refused with
-        the names that exist, not ignored."""
+    def of(cls, base: CheckOptions | None = None, **given) -> CheckOptions:
+        """The options from keyword arguments (``parity.check``'s), over ``base`` where one is given, each name
+        checked: an unknown one is refused with the names that exist, not ignored."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - known)
         if unknown:
             raise ParityError(f"unknown check option(s) {', '.join(unknown)}; the options are "
                               f"{', '.join(sorted(known))}")
-        return cls(**given)
+        return cls(**given) if base is None else replace(base, **given)
 
 
 def command_line() -> list:

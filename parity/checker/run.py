@@ -53,7 +53,7 @@ def check(reference: Path, candidate: Path, options: CheckOptions | None = None,
     ``same_weights`` (the reference runs the candidate's own weights: check_same_weights). ``progress(message)`` and
     ``on_layer(model, done, total)`` report what it is doing.
     """
-    options = CheckOptions.of(**given) if options is None else replace(options, **given)
+    options = CheckOptions.of(options, **given)
     if options.same_weights:
         return check_same_weights(reference, candidate, options, progress=progress, on_layer=on_layer)
     return run(make_plan(Path(reference), candidate, options), progress=progress, on_layer=on_layer)

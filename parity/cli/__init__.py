@@ -258,9 +258,9 @@ WHY_NOT = {
 
 
 def _refuse_other_formats(target: str, formats: dict) -> None:
-    unset = {"gguf_type": "F32", "opset": None}
+    unset = {"gguf_type": "F32"}  # the defaults that are not None or False
     for name, value in formats.items():
-        if name not in FORMAT_OPTIONS[target] and value not in (unset.get(name), False, None):
+        if name not in FORMAT_OPTIONS[target] and not (value is None or value is False or value == unset.get(name)):
             takes = [t for t, names in FORMAT_OPTIONS.items() if name in names]
             why = WHY_NOT.get((target, name))
             raise ParityError(f"--{name.replace('_', '-')} applies to --to {' or --to '.join(takes)}, not --to "
