@@ -69,10 +69,9 @@ __all__ = [
     "ACTIVATIONS", "ATTENTION_FIELDS", "BUFFER_KINDS", "CHOICES", "ENV_VAR", "OPTIONAL", "SECTIONS", "Adapter",
     "AdapterFile", "AttentionConvention", "Buffer", "CapturePoint", "EmbeddingConvention", "GGUFExport",
     "MLPConvention", "NormConvention", "NormModule", "OpPoint", "Param", "PositionConvention", "Resolved",
-    "ResolvedBuffer", "ResolvedCapture",
-    "ResolvedNorm", "ResolvedTensor", "Setting", "Split", "TensorEntry", "Tiny", "Value", "Variant", "builtin_dir",
-    "ignored", "load_adapter", "load_all", "needs_family", "recognise", "resolve", "resolved_data", "rope_settings", "search_path",
-    "text_config",
+    "ResolvedBuffer", "ResolvedCapture", "ResolvedNorm", "ResolvedTensor", "Setting", "Split", "TensorEntry", "Tiny",
+    "Value", "Variant", "builtin_dir", "ignored", "load_adapter", "load_all", "needs_family", "recognise", "resolve",
+    "resolved_data", "rope_settings", "search_path", "text_config",
 ]
 
 

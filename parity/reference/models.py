@@ -160,9 +160,10 @@ def _refuse_missing(ckpt: Checkpoint, loading: dict) -> None:
     verdict would be about noise."""
     missing = sorted(loading.get("missing_keys") or [])
     if ckpt.resolved.generic and missing:
+        listed = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
         raise ParityError(f"{ckpt.path}: transformers found no weights for {len(missing)} parameter(s) of "
-                          f"{ckpt.variant.architectures[0]} ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})"
-                          f"; check that config.json belongs to these weights")
+                          f"{ckpt.variant.architectures[0]} ({listed}); check that config.json belongs to these "
+                          f"weights")
 
 
 def compile_between_points(model, hooked: set[str], layers: int) -> list[str]:
