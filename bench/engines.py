@@ -27,8 +27,15 @@ ENGINES = {"sdpa": lambda ckpt: [str(ckpt), "--candidate-attn", "sdpa"],
            "mlx": lambda ckpt: [f"mlx:{ckpt}"],
            "openvino": lambda ckpt: [f"openvino:{ckpt}"],
            "ctranslate2": lambda ckpt: [f"ctranslate2:{ckpt}"]}
-FAMILIES = ["bert", "gpt2", "llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "olmo2", "gemma", "gemma2",
-            "gemma3", "gemma4", "mixtral", "qwen3_moe"]
+SEED = ["bert", "gpt2", "llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "olmo2", "gemma", "gemma2", "gemma3",
+        "gemma4", "mixtral", "qwen3_moe"]
+
+
+def families() -> list[str]:
+    """Every built-in family: the seed ones in the order the docs show them, then the others by name."""
+    from parity.adapter import load_all
+
+    return SEED + sorted(set(load_all()) - set(SEED))
 REAL = Path(os.environ.get("PARITY_REAL_QWEN", Path.home() / ".cache/parity-real/qwen2.5-coder-0.5b")) / "hf"
 
 
@@ -74,7 +81,7 @@ def row(engine: str, family: str, c: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default=",".join(ENGINES))
-    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--families", default=None, help="comma-separated (default: every built-in family)")
     parser.add_argument("--decode", type=int, default=0, help="also check N decode steps (causal families)")
     parser.add_argument("--real", type=Path, default=REAL if (REAL / "config.json").is_file() else None,
                         help="a real Hugging Face checkpoint to add as a row per engine (default: Qwen2.5-Coder "
@@ -85,7 +92,7 @@ def main() -> None:
     work = args.dir or Path(tempfile.mkdtemp(prefix="parity-bench-engines-"))
     work.mkdir(parents=True, exist_ok=True)
     checkpoints = {}
-    for family in args.families.split(","):
+    for family in (args.families.split(",") if args.families else families()):
         checkpoints[family] = work / family
         if not (work / family / "config.json").is_file():
             subprocess.run([*PARITY, "make-tiny", family, "-o", str(work / family)], check=True,

@@ -39,6 +39,15 @@ def flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1)
 
 
+def part(x: torch.Tensor, span: tuple[int, int], groups: int | None = None) -> torch.Tensor:
+    """The [start, stop) part of x's last dimension; with ``groups``, that part of each of ``groups`` consecutive
+    blocks of it, concatenated (a fused projection laid out per head: GPT-NeoX's q | k | v within each head)."""
+    if not groups:
+        return x[..., span[0]:span[1]]
+    blocks = x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+    return blocks[..., span[0]:span[1]].reshape(*x.shape[:-1], groups * (span[1] - span[0]))
+
+
 def scores(x: torch.Tensor) -> torch.Tensor:
     """Attention scores [B, H, S, T] -> [B, S, H*T], masked entries 0 (MASKED)."""
     x = from_heads(x)

@@ -138,6 +138,9 @@ NODE_TIERS: dict[str, set[str]] = {
     "tests/test_generic.py::test_self_passes_and_a_scaled_attention_projection_fails_in_layer_1[stablelm]": {"family"},
     "tests/test_generic.py::test_self_passes_and_a_scaled_attention_projection_fails_in_layer_1[phi]": {"family"},
     "tests/test_generic.py::test_every_causal_lm_transformers_lists[*": {"family", "slow"},
+    "tests/test_generic.py::test_hybrids_check_layer_by_layer_and_decode[*": {"family"},
+    "tests/test_generic.py::test_an_onnx_export_of_a_model_no_adapter_knows": {"engine"},
+    "tests/test_generic.py::test_openvino_converts_a_model_no_adapter_knows": {"engine"},
     # slow: over ~5 s on two cores, a module each keeps quicker tests of (seconds measured at a load average of 4)
     "tests/test_bugs.py::test_a_broken_onnx_export_is_caught_and_named": {"slow"},  # 8 s
     "tests/test_decode.py::test_an_onnx_export_refuses_a_cache_it_cannot_have": {"slow"},  # 9 s
@@ -190,7 +193,8 @@ FAST: set[str] = {
     "test_candidates.py", "test_cli.py", "test_compare_chunks.py", "test_convert.py", "test_convert_single_pass.py",
     "test_convert_without_torch.py", "test_deepseek_v3_variants.py", "test_design_table.py", "test_docs_commands.py",
     "test_dumps.py", "test_fp8.py", "test_gemma2_variants.py", "test_gemma3_variants.py", "test_gemma4_variants.py",
-    "test_gemma_variants.py", "test_gpt2_variants.py", "test_layers.py", "test_layouts.py", "test_lengths.py",
+    "test_gemma_variants.py", "test_gpt2_variants.py", "test_gpt_neox_variants.py",
+    "test_layers.py", "test_layouts.py", "test_lengths.py",
     "test_moe_mla.py", "test_options.py", "test_properties.py", "test_readers.py", "test_real_configs.py",
     "test_render.py", "test_saved_buffers.py", "test_slices.py", "test_sliding_window.py", "test_spill.py",
     "test_tiers.py", "test_tp_dumps.py",

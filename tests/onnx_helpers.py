@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -20,13 +21,12 @@ def export_foreign(src: str, out: str) -> str:
     import torch
     import transformers
 
-    from parity.checkpoint import open_checkpoint
 
     warnings.simplefilter("ignore")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    cls = getattr(transformers, open_checkpoint(Path(src)).variant.architectures[0])
+    cls = getattr(transformers, json.loads((Path(src) / "config.json").read_text())["architectures"][0])
     model = cls.from_pretrained(src, attn_implementation="eager").eval()
     model.config.use_cache = False
     ids = torch.tensor([[3 + (7 * k) % 200 for k in range(16)]] * 2)

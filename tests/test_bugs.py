@@ -22,9 +22,12 @@ DESIGN_IDS = [bug_id for bug_id, _, _ in DESIGN]
 # what the families column's group names mean; listed families are taken as they are
 EVERY = list(load_all())
 GEMMA = ["gemma", "gemma2", "gemma3", "gemma4"]
-ROPE = [f for f in EVERY if f not in ("bert", "gpt2")]  # also every RMSNorm and every gated-MLP family
-GROUPS = {"all": EVERY, "all (low-precision runs)": EVERY, "every RMSNorm family": ROPE, "all RoPE families": ROPE,
-          "all gated-MLP families": ROPE, "gemma family": GEMMA, "tied families": ["bert", "gpt2", *GEMMA],
+ROPE = [f for f in EVERY if f not in ("bert", "gpt2")]
+# GPT-NeoX and Phi: LayerNorm and a plain GELU MLP; StableLM: LayerNorm and SwiGLU
+RMS = [f for f in ROPE if f not in ("gpt_neox", "phi", "stablelm")]
+GATED = [f for f in ROPE if f not in ("gpt_neox", "phi")]
+GROUPS = {"all": EVERY, "all (low-precision runs)": EVERY, "every RMSNorm family": RMS, "all RoPE families": ROPE,
+          "all gated-MLP families": GATED, "gemma family": GEMMA, "tied families": ["bert", "gpt2", *GEMMA],
           "families with sliding layers": ["mistral", "gemma2", "gemma3", "gemma4"],
           "all causal LMs": [f for f in EVERY if f != "bert"]}
 
@@ -43,10 +46,10 @@ DESIGN_FAMILIES = {bug_id: _families(families) for bug_id, _, families in DESIGN
 
 
 def test_the_catalog_is_designs_list():
-    """docs/design.md's table, in the catalog's order: the 22 prefill mistakes, then the KV-cache ones that only
+    """docs/design.md's table, in the catalog's order: the 30 prefill mistakes, then the KV-cache ones that only
     decode steps show (issue 14's list)."""
     assert [(b.id, b.mistake) for b in bugs.CATALOG] == [(bug_id, mistake) for bug_id, mistake, _ in DESIGN]
-    assert len([b for b in bugs.CATALOG if not b.decode]) == 22
+    assert len([b for b in bugs.CATALOG if not b.decode]) == 30
     assert [b.id for b in bugs.CATALOG if b.decode] == ["decode-position-offset", "sliding-window-cache-off-by-one",
                                                         "kv-cache-wrong-layer", "decode-softcap-dropped",
                                                         "kv-heads-order-swapped"]
@@ -98,6 +101,9 @@ def test_injection_changes_conventions_not_code(tiny_dir, tmp_path):
     ("deepseek_v3", "mla-norm-dropped", "layers.0.attn_out"),
     ("qwen2", "sliding-window-ignored", "layers.1.attn_out"),
     ("llama", "rope-permuted", "layers.0.attn_out"),
+    ("gpt_neox", "parallel-residual-sequential", "layers.0.mlp_in"),
+    ("gpt_neox", "fused-qkv-split-wrong", "layers.0.attn_out"),
+    ("phi", "parallel-residual-sequential", "layers.0.mlp_in"),
 ])
 def test_representative_pairs_fail_at_the_right_point_with_the_right_name(family, bug, first, tiny_dir, tmp_path):
     convert(tiny_dir(family), tmp_path / "n")

@@ -3,7 +3,6 @@ one line in KINDS."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import sys

@@ -72,8 +72,16 @@ def test_capture_points_are_produced_with_the_right_shapes(family_model):
     if r["norm.placement"] != "post" and not any("layer_scalar" in t.hf for t in r.tensors):
         prev = got["embed"]
         for i in range(r.num_layers):
-            torch.testing.assert_close(got[f"layers.{i}.mid"], prev + got[f"layers.{i}.attn_out"])
-            torch.testing.assert_close(got[f"layers.{i}.out"], got[f"layers.{i}.mid"] + got[f"layers.{i}.mlp_out"])
+            scale = r.layer("norm.residual_scale", i)  # Granite: residual + sublayer * residual_multiplier
+            if r.layer("mlp.parallel", i):  # GPT-NeoX: both sublayers read the layer's input; no `mid`
+                assert f"layers.{i}.mid" not in got
+                torch.testing.assert_close(got[f"layers.{i}.out"],
+                                           prev + (got[f"layers.{i}.attn_out"] + got[f"layers.{i}.mlp_out"]) * scale)
+                prev = got[f"layers.{i}.out"]
+                continue
+            torch.testing.assert_close(got[f"layers.{i}.mid"], prev + got[f"layers.{i}.attn_out"] * scale)
+            torch.testing.assert_close(got[f"layers.{i}.out"],
+                                       got[f"layers.{i}.mid"] + got[f"layers.{i}.mlp_out"] * scale)
             prev = got[f"layers.{i}.out"]
 
 

@@ -22,7 +22,7 @@ GGUF_FAMILIES = sorted(f for f, a in ADAPTERS.items() if a.spec.gguf is not None
 # scaled ones "inp_scaled"; gemma2's MLP output is named without a layer index ("ffn_post_norm") and read as the
 # layer of the tensor before it
 NOT_NAMED = {"llama": set(), "qwen2": set(), "qwen3": set(), "gemma": set(), "gemma2": set(), "gemma3": set(),
-             "olmo2": {"attn_in", "mlp_in"}}
+             "olmo2": {"attn_in", "mlp_in"}, "granite": set(), "smollm3": set()}
 # llama.cpp's CPU GELU reads an f16 table (ggml-cpu vec.h, GGML_GELU_FP16): a GELU MLP's output differs by
 # rel_l2 ~3e-4 from the exact function (measured on the tiny Gemma: 3.0e-4 at layers.0.mlp_out, 5.0e-4 at most),
 # an engine approximation, not a port mistake; those families are judged at 1e-3.
@@ -40,7 +40,7 @@ def _check(reference, candidate, report, *extra):
 
 
 def test_the_families_llama_cpp_runs():
-    assert GGUF_FAMILIES == ["gemma", "gemma2", "gemma3", "llama", "olmo2", "qwen2", "qwen3"]
+    assert GGUF_FAMILIES == ["gemma", "gemma2", "gemma3", "granite", "llama", "olmo2", "qwen2", "qwen3", "smollm3"]
 
 
 # The tiny checkpoints exercise every switch of a family; llama.cpp implements the released models: Qwen2.5 and
@@ -53,7 +53,8 @@ RELEASED = {"llama": {}, "qwen2": {"use_sliding_window": False, "rope_scaling": 
             # scaling on Gemma 3 1B (the tiny one scales its global layers)
             "gemma2": {"attention_bias": False, "query_pre_attn_scalar": 16},
             "gemma3": {"attention_bias": False, "query_pre_attn_scalar": 16, "rope_scaling": None},
-            "olmo2": {"attention_bias": False}}  # OLMo 2 ships no attention biases (llama.cpp's olmo2 reads none)
+            "olmo2": {"attention_bias": False},  # OLMo 2 ships no attention biases (llama.cpp's olmo2 reads none)
+            "granite": {}, "smollm3": {}}
 
 
 @pytest.fixture(scope="module")

@@ -185,6 +185,11 @@ CASCADES = {  # measured on x86/AVX-512 with the 64-token default prompt; a diff
     ("gemma", "F16"): _F16_CASCADE + "layers.1.mlp_out: rel_l2 3.80e-4 against plain 1.18e-3 (3.11x); the first crossing "
                                      "is layer 0 o_proj's input (12 values of 4096 at input rel_l2 2.8e-7), then "
                                      "18, 136, ... 3174 of 8192 in layer 1's down_proj",
+    ("granite", "Q8_0"): "Q8_0 rounding cascade amplified by Granite's multipliers (embeddings x12): the emulating "
+                         "reference is 2.4x closer at the logits (4.43e-3 against plain 1.06e-2), not 5x; isolated "
+                         "layers pass",
+    ("smollm3", "Q8_0"): "Q8_0 rounding cascade over 4 layers: layers.3.mlp_out rel_l2 1.12e-2 against plain 3.87e-2 "
+                         "(3.45x); isolated layers pass",
     ("wide", "Q4_K_M"): "Q8_K rounding: layer 0's gate/up input (ffn_norm-0, rel_l2 3.4e-7 from llama.cpp's) puts one "
                         "of 16384 values across a Q8_K rounding boundary (rounded rel_l2 2.0e-4); down_proj then "
                         "2.6e-4 -> 1.4e-3 and layer 1 on; logits: rel_l2 9.36e-3 against plain 3.16e-2 (3.38x)",

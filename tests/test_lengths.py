@@ -32,6 +32,7 @@ PINNED = {
     "codegemma-7b-it-ft.json": (64, {}),
     "qwen3-30b-a3b.json": (64, {}),           # use_sliding_window false: no window
     "mixtral-8x7b-v0.1.json": (64, {}),       # sliding_window null
+    "smollm3-3b.json": (64, {}),              # use_sliding_window false, no RoPE scaling
 }
 
 

@@ -29,7 +29,10 @@ from parity.neutral.manifest import load
 from parity.reference.capture import run_and_capture
 from tests.conftest import ADAPTERS, FIXTURES, real_config
 
-MOE_FAMILIES = ["qwen3_moe", "mixtral"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
+# the families whose checkpoints store each expert's gate, up and down apart (gpt_oss stores them stacked, gate and
+# up interleaved in one gate_up_proj)
+PER_EXPERT = ["qwen3_moe", "mixtral"]
 PROMPT = torch.tensor([[(11 * k + 5) % 256 for k in range(48)]])
 # the MoE block as transformers names it in memory, and the first MoE layer of each tiny checkpoint
 BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}
@@ -39,6 +42,7 @@ ON_DISK = {
                   "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
     "mixtral": {"gate": "block_sparse_moe.experts.{e}.w1.weight", "up": "block_sparse_moe.experts.{e}.w3.weight",
                 "down": "block_sparse_moe.experts.{e}.w2.weight", "router": "block_sparse_moe.gate.weight"},
+    "gpt_oss": {"router": "mlp.router.weight"},
 }
 
 
@@ -55,7 +59,7 @@ def _moe_layers(r) -> list[int]:
 # The tensor map
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", PER_EXPERT)
 def test_every_tensor_of_the_tiny_checkpoint_is_mapped_expert_by_expert(family, tiny_dir):
     ckpt = open_checkpoint(tiny_dir(family))
     r = ckpt.resolved
@@ -81,6 +85,52 @@ def test_every_tensor_of_the_tiny_checkpoint_is_mapped_expert_by_expert(family, 
     # the dense MLP exists exactly on the layers that are not MoE
     dense = {i for i in range(r.num_layers) if f"model.layers.{i}.mlp.gate_proj.weight" in stored}
     assert dense == set(range(r.num_layers)) - set(_moe_layers(r))
+
+
+def test_gpt_oss_stacked_experts_become_each_experts_gate_up_and_down(tiny_dir, neutral_dir):
+    """GptOssExperts computes ``x @ gate_up_proj[e] + gate_up_proj_bias[e]`` ([E, in, out]), gate the even outputs,
+    up the odd ones: each expert's neutral gate/up/down are those columns, transposed to [out, in], with their
+    biases."""
+    ckpt = open_checkpoint(tiny_dir("gpt_oss"))
+    r = ckpt.resolved
+    check = check_tensors(r, ckpt.tensors)
+    assert check.ok and check.matched == len(ckpt.tensors), check.problems()
+    stored = load_file(tiny_dir("gpt_oss") / "model.safetensors")
+    assert set(r.tensor_map("model.")) == set(stored)
+    _, tensors = load(neutral_dir("gpt_oss"))
+    assert _moe_layers(r) == list(range(r.num_layers))
+    for i in _moe_layers(r):
+        p = f"model.layers.{i}.mlp."
+        gate_up, bias = stored[p + "experts.gate_up_proj"], stored[p + "experts.gate_up_proj_bias"]
+        for e in range(r.layer("mlp.experts", i)):
+            n = f"layers.{i}.moe.experts.{e}."
+            assert torch.equal(tensors[n + "gate.weight"], gate_up[e][:, ::2].t())
+            assert torch.equal(tensors[n + "up.weight"], gate_up[e][:, 1::2].t())
+            assert torch.equal(tensors[n + "gate.bias"], bias[e][::2])
+            assert torch.equal(tensors[n + "up.bias"], bias[e][1::2])
+            assert torch.equal(tensors[n + "down.weight"], stored[p + "experts.down_proj"][e].t())
+            assert torch.equal(tensors[n + "down.bias"], stored[p + "experts.down_proj_bias"][e])
+        assert torch.equal(tensors[f"layers.{i}.moe.router.bias"], stored[p + "router.bias"])
+        assert torch.equal(tensors[f"layers.{i}.attn.sinks"], stored[f"model.layers.{i}.self_attn.sinks"])
+
+
+def test_gpt_oss_conventions_resolve_from_transformers_defaults():
+    """No verbatim released config is vendored: GptOssConfig's own defaults (gpt-oss-120b's shape) resolve to its
+    conventions, and the tensors the adapter expects are exactly the parameters transformers builds."""
+    a = ADAPTERS["gpt_oss"]
+    config = {**transformers.GptOssConfig(num_hidden_layers=4).to_dict(), "architectures": ["GptOssForCausalLM"]}
+    r = resolve(a, a.spec.variants[0], config)
+    assert [r.layer("attention.sliding_window", i) for i in range(4)] == [128, None, 128, None]
+    assert r["attention.sinks"] is True and r["mlp.moe_routing"] == "topk_softmax"
+    assert (r["mlp.glu_limit"], r["mlp.glu_alpha"], r["mlp.glu_up_offset"]) == (7.0, 1.702, 1.0)
+    assert (r.layer("mlp.experts", 0), r.layer("mlp.experts_per_token", 0)) == (128, 4)
+    scaling = r.layer("positions.rope_scaling", 0)
+    assert scaling["rope_type"] == "yarn" and scaling["factor"] == 32.0 and scaling["truncate"] is False
+    assert r.layer("positions.rope_theta", 0) == 150000.0
+    cfg = transformers.GptOssConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.GptOssForCausalLM(cfg)
+    assert sum(t.numel for t in r.tensors) == sum(p.numel() for p in model.parameters())
 
 
 def test_the_tiny_qwen3_moe_has_both_kinds_of_layer(tiny_dir):
@@ -154,7 +204,7 @@ def test_executor_matches_transformers_at_every_capture_point_in_float32(family,
         assert ref[f"layers.{i}.mlp_out"].abs().mean() > 0.1 * ref[f"layers.{i}.mid"].abs().mean()
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", PER_EXPERT)
 def test_the_moe_block_matches_transformers_bit_for_bit_in_bfloat16(family, tiny_dir, neutral_dir):
     """Where the routing weights multiply the experts' outputs (weights_dtype) is the only rounding a bf16 MoE adds:
     with the family's choice the block is transformers' to the bit; with the other one it is not."""
@@ -178,6 +228,29 @@ def test_the_moe_block_matches_transformers_bit_for_bit_in_bfloat16(family, tiny
         assert route(x, w, spec)[1].unique().numel() == spec["experts"]  # every expert is chosen by some token
 
 
+def test_the_gpt_oss_moe_block_matches_transformers_in_bfloat16(tiny_dir, neutral_dir):
+    """Routing and gated units as transformers computes them in bf16. Not to the bit: transformers multiplies by the
+    fused, interleaved gate_up_proj, whose bf16 products round differently now and then from the split ones."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir("gpt_oss"), dtype=torch.bfloat16).eval()
+    manifest, tensors = load(neutral_dir("gpt_oss"))
+    torch.manual_seed(0)
+    x = torch.randn(256, manifest["hidden_size"]).to(torch.bfloat16)
+    for i, layer in enumerate(manifest["layers"]):
+        spec = layer["mlp"]["moe"]
+        w = {k.removeprefix(f"layers.{i}."): v.to(torch.bfloat16) for k, v in tensors.items()
+             if k.startswith(f"layers.{i}.")}
+        with torch.no_grad():
+            _, scores, index = model.model.layers[i].mlp.router(x)
+            weights, chosen = route(x, w, spec)
+            ref = model.model.layers[i].mlp(x[None])[0][0]
+            ours = moe(x, x, w, spec)
+        assert torch.equal(chosen, index) and torch.equal(weights.to(torch.bfloat16), scores)
+        assert ours.dtype == torch.bfloat16 and rel_l2(ours, ref) < 1e-4, (i, rel_l2(ours, ref))
+        for broken in ({"glu_limit": None}, {"glu_up_offset": 0.0}, {"routing": "softmax"}):
+            with torch.no_grad():
+                assert rel_l2(moe(x, x, w, {**spec, **broken}), ref) > 1e-2, broken
+
+
 # --------------------------------------------------------------------------------------------
 # A router mistake is caught where it happens
 
@@ -193,8 +266,11 @@ def test_a_flipped_router_normalisation_in_the_manifest_fails_at_the_first_moe_m
     shutil.copytree(neutral_dir(family), broken)
     manifest = json.loads((broken / "manifest.json").read_text())
     for layer in manifest["layers"]:
-        if layer["mlp"]["moe"] is not None:
-            layer["mlp"]["moe"]["renormalise"] = not layer["mlp"]["moe"]["renormalise"]
+        moe_spec = layer["mlp"]["moe"]
+        if moe_spec is not None and moe_spec["routing"] == "topk_softmax":  # its k weights sum to 1 already
+            moe_spec["routing"] = "softmax"  # softmax over every expert's logit, then top-k: not renormalised
+        elif moe_spec is not None:
+            moe_spec["renormalise"] = not moe_spec["renormalise"]
     (broken / "manifest.json").write_text(json.dumps(manifest))
     report = parity.check(tiny_dir(family), broken, layerwise=True, calibrate=True)
     first = _first_moe_mlp_out(family, tiny_dir)

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from parity.cli import cli, selftest
 from parity.diagnosis import bugs
-from parity.cli import selftest
-from parity.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

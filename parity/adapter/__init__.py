@@ -147,6 +147,8 @@ class ResolvedTensor:
     unstack: bool = False
     split: tuple[int, tuple[int, ...]] | None = None
     norm_offset: bool = False  # stored w of a `1 + w` norm
+    interleaved: bool = False  # the split's parts alternate along its dim (GPT-OSS's gate_up_proj)
+    groups: int | None = None  # the split's parts interleaved in that many blocks (schema.Split)
 
     @property
     def numel(self) -> int:
@@ -176,6 +178,7 @@ class ResolvedCapture:
     field: str | int | None
     slice: tuple[int, int] | None = None  # [start, stop) of the value's last dimension (a fused projection's part)
     heads_first: bool = False             # an op's value is held [B, H, S, D]
+    groups: int | None = None             # the slice is taken within each of that many blocks of the last dimension
 
 
 @dataclass
@@ -366,8 +369,9 @@ def _ops(r: _Resolver, spec: AdapterFile, prefix: str) -> list[ResolvedCapture]:
             if where is None:
                 continue
             part = None if where.slice is None else tuple(int(r.eval(key + ".slice", s, i)) for s in where.slice)
+            groups = None if where.groups is None else int(r.eval(key + ".groups", where.groups, i))
             ops.append(ResolvedCapture(_fill(point, i=i), _fill(where.module, i=i, prefix=prefix), where.io,
-                                       where.arg, where.field, part, where.heads_first))
+                                       where.arg, where.field, part, where.heads_first, groups))
     ops.sort(key=lambda c: names.point_order(c.name))
     return ops
 
@@ -425,20 +429,26 @@ def _tensors(r: _Resolver, spec: AdapterFile) -> list[ResolvedTensor]:
         targets = [t.neutral] if isinstance(t.neutral, str) else list(t.neutral)
         for i in r.each_layer(t.hf, t.when, key):
             shape = tuple(int(r.eval(f"{key}.shape", s, i)) for s in t.shape)
-            split = None
+            split, groups = None, None
             if t.split is not None:
                 split = (t.split.dim, tuple(int(r.eval(f"{key}.split", s, i)) for s in t.split.sizes))
+                if t.split.groups is not None:
+                    groups = int(r.eval(f"{key}.split.groups", t.split.groups, i))
             n_experts = int(r.eval(f"{key}.experts", t.experts, i)) if t.experts else 0
+            interleaved = t.split is not None and t.split.interleaved
             if t.unstack:  # one stacked tensor -> one neutral tensor (or split group) per expert
                 outs = tuple(_fill(n, i=i, e=e) for e in range(n_experts) for n in targets)
-                tensors.append(ResolvedTensor(_fill(t.hf, i=i), outs, shape, t.transpose, True, split))
+                tensors.append(ResolvedTensor(_fill(t.hf, i=i), outs, shape, t.transpose, True, split,
+                                              interleaved=interleaved, groups=groups))
             elif "{e}" in t.hf:
                 for e in range(n_experts):
                     tensors.append(ResolvedTensor(_fill(t.hf, i=i, e=e), tuple(_fill(n, i=i, e=e) for n in targets),
-                                                  shape, t.transpose, False, split))
+                                                  shape, t.transpose, False, split, interleaved=interleaved,
+                                                  groups=groups))
             else:
                 tensors.append(ResolvedTensor(_fill(t.hf, i=i), tuple(_fill(n, i=i) for n in targets),
-                                              shape, t.transpose, False, split))
+                                              shape, t.transpose, False, split, interleaved=interleaved,
+                                              groups=groups))
     return tensors
 
 
@@ -459,8 +469,8 @@ def ignored(name: str, variant: Variant, env: dict) -> bool:
 
 
 def rope_settings(r: Resolved, i: int, style: str) -> dict | None:
-    """Layer i's RoPE as the manifest states it (None without RoPE)."""
-    if r["positions.kind"] != "rope":
+    """Layer i's RoPE as the manifest states it (None without RoPE, or on a NoPE layer)."""
+    if r["positions.kind"] != "rope" or r.layer("positions.nope", i):
         return None
     return {
         "theta": r.layer("positions.rope_theta", i),

@@ -376,7 +376,10 @@ def _check_semantics(spec: AdapterFile, path: Path) -> None:
             raise _fail(path, f"tensors[{k}].neutral", "several neutral names need a 'split'")
         if t.split is not None and len(t.split.sizes) != len(targets):
             raise _fail(path, f"tensors[{k}].split.sizes", f"{len(t.split.sizes)} sizes for {len(targets)} neutral names")
-        for source in [*t.shape, t.when, t.experts, *(t.split.sizes if t.split else [])]:
+        if t.split is not None and t.split.interleaved and len(set(t.split.sizes)) != 1:
+            raise _fail(path, f"tensors[{k}].split.sizes", "an interleaved split takes equal sizes (one expression)")
+        for source in [*t.shape, t.when, t.experts, *(t.split.sizes if t.split else []),
+                       *([t.split.groups] if t.split and t.split.groups else [])]:
             _check_expr(path, f"tensors[{k}]", source)
     for k, b in enumerate(spec.buffers):
         _check_expr(path, f"buffers[{k}]", b.when)
@@ -395,7 +398,7 @@ def _check_semantics(spec: AdapterFile, path: Path) -> None:
         if point not in names.OP_POINTS:
             raise _fail(path, f"ops.{point}", f"not an operation-level point; use one of {', '.join(names.OP_POINTS)}")
         for where in entry if isinstance(entry, list) else [entry]:
-            for source in [where.when, *(where.slice or [])]:
+            for source in [where.when, *(where.slice or []), *([where.groups] if where.groups else [])]:
                 _check_expr(path, f"ops.{point}", source)
 
 

@@ -63,7 +63,7 @@ CHOICES: dict[str, tuple] = {
     "positions.rope_style": ("half", "interleaved", "none"),
     "positions.rope_dtype": ("model", "float32"),
     "mlp.activation": ("gelu_exact", "gelu_tanh", "silu", "relu"),
-    "mlp.moe_routing": ("none", "softmax", "sigmoid"),
+    "mlp.moe_routing": ("none", "softmax", "sigmoid", "topk_softmax"),
     "mlp.moe_router_dtype": ("float32", "model"),
     "mlp.moe_weights_dtype": ("float32", "model"),
     "embedding.scale_dtype": ("model", "float32"),
@@ -76,7 +76,7 @@ OPTIONAL = frozenset({
     "attention.softcap", "attention.sliding_window", "attention.kv_shared_from", "attention.q_lora_rank",
     "attention.kv_lora_rank", "attention.qk_nope_head_dim", "attention.qk_rope_head_dim", "attention.v_head_dim",
     "mlp.experts", "mlp.experts_per_token", "mlp.shared_experts", "mlp.moe_intermediate_size",
-    "mlp.moe_groups", "mlp.moe_groups_kept", "mlp.moe_scale", "mlp.moe_router_input_scale",
+    "mlp.moe_groups", "mlp.moe_groups_kept", "mlp.moe_scale", "mlp.moe_router_input_scale", "mlp.glu_limit",
     "embedding.final_softcap", "embedding.per_layer_input_size",
     "positions.rope_theta", "positions.rope_scaling", "positions.rotary_dim",
 })
@@ -116,6 +116,7 @@ class NormConvention(_Strict):
     placement: Value
     final: Value
     embedding: Value = False
+    residual_scale: Value = 1.0   # what each sublayer's output is multiplied by before it is added (Granite)
 
 
 class AttentionConvention(_Strict):
@@ -142,6 +143,9 @@ class AttentionConvention(_Strict):
     qk_nope_head_dim: Value = False
     qk_rope_head_dim: Value = False
     v_head_dim: Value = False
+    # a learned logit per head (attn.sinks [heads]) joined to each query's scores as one more column of the
+    # softmax, whose probability is then dropped: the weights over the keys sum to less than 1 (GPT-OSS)
+    sinks: Value = False
 
 
 class PositionConvention(_Strict):
@@ -153,6 +157,7 @@ class PositionConvention(_Strict):
     rotary_dim: Value
     rope_scaling: Value
     rope_dtype: Value    # "model": q/k rotated in the model dtype; "float32": upcast, rotated, cast back (OLMo 2)
+    nope: Value = False  # per layer: this layer applies no RoPE at all (SmolLM3, Cohere 2's and Llama 4's NoPE layers)
     scaling_types: list[str] = []   # the rope_scaling types the family accepts (none: learned positions)
 
 
@@ -161,6 +166,12 @@ class MLPConvention(_Strict):
     activation: Value
     intermediate_size: Value
     bias: Value = False
+    # per layer: the MLP runs beside attention, on the layer's input through its own norm, and both outputs are added
+    # to that input: x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX's use_parallel_residual); such a layer has no `mid`
+    parallel: Value = False
+    # per layer, with parallel: the MLP reads what attention reads, through the one norm both share (Phi's
+    # input_layernorm): x + attn(ln(x)) + mlp(ln(x)); the layer has no MLP norm of its own
+    shared_norm: Value = False
     moe: Value = False
     moe_routing: Value = "none"
     experts: Value = False
@@ -177,6 +188,12 @@ class MLPConvention(_Strict):
     # as DeepSeek-V3, Gemma 4 and Mixtral leave them), or "model" (cast to the model dtype first, as
     # Qwen3MoeTopKRouter does). Only a low-precision run can tell; absent means "float32".
     moe_weights_dtype: Value = "float32"
+    # The gated unit's arithmetic beyond act(gate) * up (GPT-OSS's clamped SwiGLU, dense MLP and experts alike):
+    # gate clamped to at most glu_limit and up to [-glu_limit, glu_limit] (none: no clamp); the activation read
+    # at glu_alpha * gate and divided by it (silu: gate * sigmoid(glu_alpha * gate)); up + glu_up_offset.
+    glu_limit: Value = False
+    glu_alpha: Value = 1.0
+    glu_up_offset: Value = 0.0
 
 
 class EmbeddingConvention(_Strict):
@@ -186,6 +203,7 @@ class EmbeddingConvention(_Strict):
     final_softcap: Value = False
     head_transform: Value = False
     per_layer_input_size: Value = False
+    logit_scale: Value = 1.0   # the logits are multiplied by it (Cohere's logit_scale; Granite's 1 / logits_scaling)
 
 
 class NormModule(_Strict):
@@ -202,16 +220,25 @@ class NormModule(_Strict):
 
 
 class Split(_Strict):
+    """``sizes``: each part's total along ``dim``, in order. ``groups`` (an expression): the parts are interleaved
+    in that many consecutive blocks along ``dim``, each holding its share (size / groups) of every part in order
+    (GPT-NeoX's query_key_value: [heads, 3, head_dim], q|k|v per head); absent: the parts lie one after another."""
+
     dim: int
     sizes: list[str]
+    # the parts alternate along ``dim`` (part k: entries k, k + n, k + 2n, ... of n parts; GPT-OSS's gate_up_proj
+    # holds gate at [..., ::2] and up at [..., 1::2]), instead of following one another; the sizes must be equal
+    interleaved: bool = False
+    groups: Union[str, None] = None
 
 
 class TensorEntry(_Strict):
     """A checkpoint tensor (shape as stored) and where it goes in the neutral layout.
 
-    Transforms apply in this order: ``transpose`` (GPT-2's Conv1D ``[in, out]``), ``unstack``
-    (a stacked ``[E, ...]`` expert tensor into one tensor per expert, names with ``{e}``), then
-    ``split`` along ``dim`` of each (unstacked) tensor into the neutral names, in order.
+    Transforms apply in this order: ``transpose`` (GPT-2's Conv1D ``[in, out]``; of a stacked ``[E, in, out]``
+    tensor, each expert's last two dims), ``unstack`` (a stacked ``[E, ...]`` expert tensor into one tensor per
+    expert, names with ``{e}``), then ``split`` along ``dim`` of each (unstacked) tensor into the neutral names,
+    in order (or alternating, ``interleaved``).
     """
 
     hf: str
@@ -277,11 +304,16 @@ class OpPoint(_Strict):
     arg: Union[str, int, None] = None
     field: Union[str, int, None] = None
     slice: Union[list[str], None] = None
+    # the last dimension is that many consecutive blocks, and ``slice`` is taken within each (a fused projection
+    # laid out per head: GPT-NeoX's query_key_value output is [heads, 3 * head_dim])
+    groups: Union[str, None] = None
     heads_first: bool = False
     when: Union[str, None] = None
 
     @model_validator(mode="after")
     def _fields(self):
+        if self.groups is not None and self.slice is None:
+            raise ValueError("'groups' says where 'slice' is taken: give a 'slice' too")
         if self.io == "attention" and (self.field not in ATTENTION_FIELDS or self.arg is not None
                                        or self.slice is not None or self.heads_first):
             raise ValueError(f"io = \"attention\" reads one 'field' of {', '.join(ATTENTION_FIELDS)} (no arg, "
@@ -301,6 +333,9 @@ class GGUFExport(_Strict):
     windows: bool = False           # reads attention.sliding_window and a per-layer sliding_window_pattern
     softcaps: bool = False          # reads attn_logit_softcapping / final_logit_softcapping
     local_rope_base: bool = False   # sliding layers rotate with rope.freq_base_swa
+    # reads embedding_scale, residual_scale, attention.scale and logit_scale (the logits DIVIDED by it: Granite)
+    multipliers: bool = False
+    nope_every: int = 0             # the architecture skips RoPE on every n-th layer, n fixed in llama.cpp (SmolLM3: 4)
     # llama.cpp graph tensors whose meaning in this architecture differs from parity/candidates/gguf.py's table:
     # {tensor name ({i}: the layer): capture point, or "" where it is none of them}; a name llama.cpp gives no
     # layer index may still map to "layers.{i}...": the layer of the indexed tensor computed before it

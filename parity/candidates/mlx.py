@@ -42,7 +42,7 @@ CHOICES = {"bits": ("2", "3", "4", "5", "6", "8"), "group_size": ("32", "64", "1
            "mode": ("affine", "mxfp4", "nvfp4", "mxfp8"), "dtype": ("float32", "float16", "bfloat16")}
 # Hugging Face module names mlx-lm spells otherwise (tried when the capture map's module is absent), and where
 # mlx-lm's models hold their base model (a text model's ``model``; a multimodal wrapper's language model's)
-RENAMED = {"mlp": ("block_sparse_moe",)}
+RENAMED = {"mlp": ("block_sparse_moe",), "layers": ("h",)}  # mlx-lm's names (GPT-NeoX: its layers are `h`)
 BASES = ("model.", "language_model.model.")
 # the attention function mlx-lm's modeling files import from mlx_lm.models.base and call with queries and keys
 # (after RoPE, the keys not repeated for GQA): wrapped while ops are read (Taps)

@@ -32,6 +32,7 @@ from parity.ports.onnx.graph import Graph, Matching, hidden_width, match, vocabu
 KIND = "onnx"
 TAKES = "an ONNX graph (.onnx)"
 OPTIONS = ("layerwise", "provider", "map")  # the graph values matched to points, the provider that runs them
+GENERIC = True      # reads points by --map, by name or by module path: checks a model no adapter knows
 def onnx_file(path: Path) -> Path | None:
     """The .onnx file a candidate path names: the file itself, or a directory's single model.onnx."""
     path = Path(path)

@@ -35,6 +35,7 @@ ALIASES = ("ov",)
 EXPLICIT = True
 REQUIRES = ("openvino", "openvino")
 OPTIONS = ("layerwise",)
+GENERIC = True      # reads points by the module paths OpenVINO keeps: checks a model no adapter knows
 ENGINE_OPTIONS = {
     "precision": "f32 (default), bf16 or f16: the CPU plugin's INFERENCE_PRECISION_HINT",
     "weights": "int8 or int4: a checkpoint's weights compressed by NNCF (nncf.compress_weights) on conversion",
@@ -79,9 +80,9 @@ def validate(path: Path, adapter_dirs=()) -> None:
     if not (Path(path) / "config.json").is_file():
         raise ParityError(f"--candidate openvino:{path}: neither an OpenVINO IR (openvino_model.xml and .bin) nor a "
                           f"Hugging Face checkpoint directory (config.json)")
-    from parity.checkpoint import open_checkpoint, refuse_mismatched
+    from parity.checkpoint import refuse_mismatched
 
-    refuse_mismatched(open_checkpoint(Path(path), adapter_dirs), "--candidate")
+    refuse_mismatched(_open(Path(path), adapter_dirs), "--candidate")
 
 
 def settings(options, dtype=None) -> dict:
@@ -117,10 +118,9 @@ def model_xml(path: Path, adapter_dirs, chosen: dict, source=None) -> Path:
                               f"applies when converting a checkpoint (name its directory instead)")
         return xml
     ov = require("openvino", "openvino", "OpenVINO")
-    from parity.checkpoint import open_checkpoint
     from parity.ports.openvino import export
 
-    source = source if source is not None else open_checkpoint(Path(path), adapter_dirs)
+    source = source if source is not None else _open(Path(path), adapter_dirs)
     weights = chosen["weights"]
     version = ov.get_version() + (f" nncf {_nncf().__version__}" if weights else "")
     out = converted("openvino", Path(path), {"weights": weights}, version,
@@ -394,7 +394,18 @@ def _source(ckpt, path: Path):
 
     if Path(path).resolve() == Path(ckpt.path).resolve():
         return ckpt
+    if ckpt.resolved.generic:
+        return _open(path, ())
     return open_checkpoint(path, adapters={**load_all(), ckpt.adapter.family: ckpt.adapter})
+
+
+def _open(path: Path, adapter_dirs):
+    """A checkpoint OpenVINO converts: through its family's adapter, else (a model no adapter knows) its structure
+    discovered from transformers, whose module paths OpenVINO keeps in its op names."""
+    from parity.checkpoint import open_checkpoint
+    from parity.reference.structure import discover
+
+    return open_checkpoint(Path(path), adapter_dirs, discover=discover)
 
 
 def arithmetic(out: Path):

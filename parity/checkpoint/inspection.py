@@ -23,6 +23,11 @@ PLACEMENTS = {
 WEIGHTS = {"weight": "w", "one_plus_weight": "1 + w"}
 
 
+def _parallel(r: Resolved) -> bool:
+    """Whether some layer runs its MLP beside attention, on the layer's input (GPT-NeoX's parallel residual)."""
+    return any(r.layer("mlp.parallel", i) for i in range(r.num_layers))
+
+
 def _ranges(indices: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     out, start = [], None
@@ -108,7 +113,7 @@ def report(ckpt: Checkpoint) -> dict:
             "norm": NORM_KINDS[r["norm.kind"]],
             "eps": r["norm.eps"],
             "weight": WEIGHTS[r["norm.weight"]] + (", with bias" if r["norm.bias"] else ""),
-            "placement": PLACEMENTS[r["norm.placement"]],
+            "placement": PLACEMENTS[r["norm.placement"]] + (", parallel" if _parallel(r) else ""),
             "norms_per_layer": " / ".join(p["summary"] for p in patterns),
         },
         "norms": {
@@ -251,6 +256,7 @@ def describe_family(spec) -> dict:
         ("sliding window", spec.attention.sliding_window, False), ("embed scale", spec.embedding.scale, 1.0),
         ("positions", spec.positions.kind, None), ("act", spec.mlp.activation, None),
         ("MoE", spec.mlp.moe, False), ("attention", spec.attention.kind, "mha"),
+        ("parallel residual", spec.mlp.parallel, False),
     ):
         if value != absent:
             other.append(f"{label} {show(value)}")

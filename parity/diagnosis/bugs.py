@@ -183,6 +183,86 @@ def _embed_scale_dropped(m: dict, t: Tensors) -> None:
     m["embedding"]["scale"] = 1.0
 
 
+def _has_nope(m: dict) -> bool:
+    """Some layers of a RoPE model go without RoPE, and some rotate."""
+    ropes = [att["rope"] is not None for _, att in _attention(m)]
+    return m.get("rope_style") is not None and any(ropes) and not all(ropes)
+
+
+def _nope_given_rope(m: dict, t: Tensors) -> None:
+    rope = next(att["rope"] for _, att in _attention(m) if att["rope"] is not None)
+    for _, att in _attention(m):
+        if att["rope"] is None:
+            att["rope"] = copy.deepcopy(rope)  # the port rotates every layer alike
+
+
+def _logit_scale_dropped(m: dict, t: Tensors) -> None:
+    m["head"]["scale"] = 1.0
+
+
+def _residual_scale_dropped(m: dict, t: Tensors) -> None:
+    for layer in m["layers"]:
+        layer["residual_scale"] = 1.0
+
+
+def _sinks_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["sinks"] = False  # the softmax over the keys alone: each query's weights sum to 1
+
+
+def _glus(m: dict) -> Iterator[dict]:
+    """Every gated unit's spec: each layer's MLP, and its experts."""
+    for layer in m["layers"]:
+        if layer["mlp"]["gated"]:
+            yield layer["mlp"]
+        if layer["mlp"]["moe"]:
+            yield layer["mlp"]["moe"]
+
+
+def _clamp_dropped(m: dict, t: Tensors) -> None:
+    for spec in _glus(m):
+        spec["glu_limit"] = None
+
+
+def _up_offset_dropped(m: dict, t: Tensors) -> None:
+    for spec in _glus(m):
+        spec["glu_up_offset"] = 0.0
+
+
+def _sequential(m: dict, t: Tensors) -> None:
+    for i, layer in enumerate(m["layers"]):
+        mlp = layer["mlp"]
+        if mlp.get("shared_norm"):  # Phi's one norm: the port applies it again, to the stream after attention
+            layer["norms"]["mlp_norm"] = copy.deepcopy(layer["norms"]["attn_norm"])
+            for part in ("weight", "bias"):
+                if f"layers.{i}.attn_norm.{part}" in t:
+                    t[f"layers.{i}.mlp_norm.{part}"] = t[f"layers.{i}.attn_norm.{part}"]
+        mlp["parallel"] = mlp["shared_norm"] = False  # the MLP reads the stream after the attention add, as Llama's
+
+
+def _interleaved(m: dict) -> list[str]:
+    """The q/k/v tensors split from a fused tensor whose parts were interleaved per head (GPT-NeoX)."""
+    return [n for n, info in m["tensors"].items() if info.get("interleaved", 0) > 1]
+
+
+def _fused_split_wrong(m: dict, t: Tensors) -> None:
+    """q, k and v cut from the fused tensor as three blocks [3, heads, head_dim] where it holds [heads, 3, head_dim]:
+    the fused tensor is rebuilt from the right parts, then split the wrong way."""
+    groups: dict[str, list[str]] = {}
+    for name in _interleaved(m):
+        i, short = name.split(".", 2)[1:]
+        groups.setdefault(f"{i}.{short.rsplit('.', 1)[-1]}", []).append(name)
+    for names in groups.values():
+        if not all(n in t for n in names):  # (the diagnosis may hold one layer's tensors only)
+            continue
+        blocks = m["tensors"][names[0]]["interleaved"]
+        parts = [t[n] for n in names]
+        fused = torch.cat([p.reshape(blocks, p.shape[0] // blocks, *p.shape[1:]) for p in parts], dim=1)
+        fused = fused.reshape(-1, *parts[0].shape[1:])
+        for n, wrong in zip(names, torch.split(fused, [p.shape[0] for p in parts])):
+            t[n] = wrong.contiguous()
+
+
 GELU_SWAP = {"gelu_exact": "gelu_tanh", "gelu_tanh": "gelu_exact"}
 ACT_SWAP = {"silu": "gelu_tanh", "gelu_tanh": "silu", "gelu_exact": "silu"}
 
@@ -203,15 +283,19 @@ def _swap(table: dict) -> Callable[[dict, Tensors], None]:
     return inject
 
 
+def _ropes(m: dict) -> Iterator[dict]:
+    """Every layer's RoPE (NoPE layers have none)."""
+    return (att["rope"] for _, att in _attention(m) if att["rope"] is not None)
+
+
 def _rope_permuted(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        rope = att["rope"]
+    for rope in _ropes(m):
         rope["style"] = "interleaved" if rope["style"] == "half" else "half"
 
 
 def _theta_wrong(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["rope"]["theta"] = 10000.0 if att["rope"]["theta"] != 10000.0 else 1000000.0
+    for rope in _ropes(m):
+        rope["theta"] = 10000.0 if rope["theta"] != 10000.0 else 1000000.0
 
 
 def _window_ignored(m: dict, t: Tensors) -> None:
@@ -322,8 +406,8 @@ CATALOG: list[Bug] = [
         "attention scaled by 1/sqrt(head_dim)", "subtle",
         "ggml-org/llama.cpp PR #8197, #8444, #13951; google/gemma_pytorch #71",
         lambda m: _has(m, lambda a: abs(a["scale"] - _plain_scale(a)) > 1e-9 * a["scale"]), _scale_wrong, op="attn.scores"),
-    Bug("embed-scale-dropped", "embeddings not multiplied by sqrt(hidden)",
-        "embeddings without their sqrt(hidden) scale", "garbage at once",
+    Bug("embed-scale-dropped", "embeddings not multiplied by their scale (sqrt(hidden); Granite's multiplier)",
+        "embeddings without their scale", "garbage at once",
         "vllm-project/vllm PR #48010",
         lambda m: m["embedding"]["scale"] != 1.0, _embed_scale_dropped),
     Bug("gelu-variant-swapped", "exact GELU where tanh GELU is meant, or the reverse",
@@ -364,6 +448,36 @@ CATALOG: list[Bug] = [
     Bug("mla-norm-dropped", "`q_a_layernorm` / `kv_a_layernorm` skipped", "MLA without its two latent norms",
         "garbage at once", "no public instance found",
         lambda m: _has(m, lambda a: a["mla"] is not None), _mla_dropped, op="attn.q"),
+    Bug("nope-given-rope", "RoPE applied on the layers that go without (NoPE)", "NoPE layers rotated like the others",
+        "garbage at once", "no public instance found",
+        _has_nope, _nope_given_rope, op="attn.q_rope"),
+    Bug("logit-scale-dropped", "logits not multiplied by the logit scale (Cohere's logit_scale, Granite's "
+        "1 / logits_scaling)", "logits without their scale", "subtle", "no public instance found",
+        lambda m: bool(m["head"]) and m["head"].get("scale", 1.0) != 1.0, _logit_scale_dropped),
+    Bug("residual-scale-dropped", "sublayer outputs added to the residual stream without the residual multiplier",
+        "a residual stream without its multiplier", "garbage at once", "no public instance found",
+        lambda m: any(layer.get("residual_scale", 1.0) != 1.0 for layer in m["layers"]), _residual_scale_dropped,
+        op="mid"),
+    Bug("attention-sinks-dropped", "attention softmax without the learned per-head sink logit",
+        "attention without its sinks (the weights over the keys summing to 1)", "garbage at once",
+        "no public instance found",
+        lambda m: _has(m, lambda a: bool(a.get("sinks"))), _sinks_dropped, op="attn.probs"),
+    Bug("clamp-dropped", "the clamped SwiGLU run without its clamps (gate to at most the limit, up to +-limit)",
+        "the gated unit without its clamps", "subtle", "no public instance found",
+        lambda m: any(s.get("glu_limit") is not None for s in _glus(m)), _clamp_dropped, op="mlp.act"),
+    Bug("glu-up-offset-dropped", "the `+ 1` on up dropped: act(gate) * up where the family computes "
+        "act(gate) * (up + 1)", "the gated unit without the offset on up", "garbage at once",
+        "no public instance found",
+        lambda m: any(s.get("glu_up_offset", 0.0) for s in _glus(m)), _up_offset_dropped, op="mlp.act"),
+    Bug("parallel-residual-sequential", "a parallel-residual block (attention and MLP both on the layer's input) "
+        "run sequentially", "the MLP reading the stream after attention instead of the layer's input",
+        "garbage at once",
+        "no public instance found",
+        lambda m: any(layer["mlp"].get("parallel") for layer in m["layers"]), _sequential, op="mlp_in"),
+    Bug("fused-qkv-split-wrong", "a fused QKV laid out per head [heads, 3, head_dim] split as three blocks "
+        "[3, heads, head_dim]", "q, k and v cut from the fused projection as three blocks", "garbage at once",
+        "no public instance found",
+        lambda m: bool(_interleaved(m)), _fused_split_wrong, op="attn.q"),
     # KV-cache mistakes: the prefill is right, decode steps are not
     Bug("decode-position-offset", "decode steps placed one position late (the new token counted twice)",
         "decode steps at positions shifted by one", "decode only", "no public instance found",

@@ -104,6 +104,7 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
         "kv_shared_from": at("attention.kv_shared_from"),
         "rope": rope_settings(r, i, rope_style),
         "mla": None,
+        "sinks": bool(at("attention.sinks")),  # a learned per-head logit joined to the softmax, then dropped
     }
     if attention["kind"] == "mla":
         attention["mla"] = {
@@ -115,11 +116,20 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
             "q_a_norm": norm("attn.q_a_norm"),
             "kv_a_norm": norm("attn.kv_a_norm"),
         }
+    glu = {  # the gated unit's clamps, activation scale and up offset (GPT-OSS's clamped SwiGLU)
+        "glu_limit": None if at("mlp.glu_limit") is None else float(at("mlp.glu_limit")),
+        "glu_alpha": float(at("mlp.glu_alpha")),
+        "glu_up_offset": float(at("mlp.glu_up_offset")),
+    }
     mlp = {
         "gated": bool(at("mlp.gated")),
         "activation": at("mlp.activation"),
         "intermediate_size": at("mlp.intermediate_size"),
         "moe": None,
+        **glu,
+        # the MLP reads the layer's input (through mlp_norm), beside attention: x + attn(...) + mlp(...)
+        "parallel": bool(at("mlp.parallel")),
+        "shared_norm": bool(at("mlp.shared_norm")),  # parallel, and it reads attention's input (attn_norm's output)
     }
     if at("mlp.moe"):
         mlp["moe"] = {
@@ -137,6 +147,7 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
             "router_input_scale": at("mlp.moe_router_input_scale"),
             "router_dtype": at("mlp.moe_router_dtype"),
             "weights_dtype": at("mlp.moe_weights_dtype"),  # where the routing weights multiply the experts' outputs
+            **glu,  # the experts' gated units
             "expert_norm": norm("moe_norm"),
             "expert_post_norm": norm("moe_post_norm"),
             "dense_post_norm": norm("mlp_dense_post_norm"),
@@ -146,6 +157,7 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
         "attention": attention,
         "mlp": mlp,
         "per_layer_input": {"post_norm": norm("pli_post_norm")} if norms.get(f"layers.{i}.pli_post_norm") else None,
+        "residual_scale": float(at("norm.residual_scale")),  # each sublayer's output times this, then added
     }
 
 
@@ -201,12 +213,17 @@ def build_manifest(ckpt: Checkpoint, dtype: torch.dtype | str, rope_style: str, 
         "head": None if not has_logits else {
             "tied": bool(r["embedding.tied"]),
             "softcap": r["embedding.final_softcap"],
+            "scale": float(r["embedding.logit_scale"]),  # the logits times this (Cohere, Granite), before any softcap
             "transform": None if not r["embedding.head_transform"] else {
                 "activation": r["mlp.activation"], "norm": _norm(r, norms.get("head.norm"))},
         },
-        "capture_points": names.capture_names(r.num_layers, final_norm=r["norm.final"], logits=has_logits),
-        # shapes and dtypes as written; "transposed": the source stored it [in, out] (GPT-2's Conv1D)
-        "tensors": {name: {"shape": list(shape), "dtype": _stored_dtype(name, layers, target), "transposed": t.transpose}
+        # a parallel layer (its MLP beside attention) has no stream between the two adds: no `mid`
+        "capture_points": [p for p in names.capture_names(r.num_layers, final_norm=r["norm.final"], logits=has_logits)
+                           if not (p.endswith(".mid") and layers[names.layer_of(p)]["mlp"]["parallel"])],
+        # shapes and dtypes as written; "transposed": the source stored it [in, out] (GPT-2's Conv1D); "interleaved":
+        # it was one part of a fused tensor that held its parts interleaved in that many blocks (GPT-NeoX: per head)
+        "tensors": {name: {"shape": list(shape), "dtype": _stored_dtype(name, layers, target),
+                           "transposed": t.transpose, **({"interleaved": t.groups} if t.groups else {})}
                     for t in r.tensor_map(prefix).values() for name, shape in _neutral_shapes(t)},
     }
 
@@ -220,14 +237,33 @@ def to_neutral(t: ResolvedTensor, x: torch.Tensor) -> Iterator[tuple[str, torch.
     if t.norm_offset:
         x = x.float() + 1.0  # fold `1 + w` in float32, before any cast
     if t.transpose:
-        x = x.t()
+        x = x.transpose(-2, -1)  # a stacked [E, in, out] tensor: each expert's
     parts = list(x.unbind(0)) if t.unstack else [x]
     if t.split is not None:
         dim, sizes = t.split
-        parts = [piece for p in parts for piece in torch.split(p, list(sizes), dim=dim)]
+        if t.interleaved:  # part k: entries k, k + n, ... along dim (GPT-OSS: gate [..., ::2], up [..., 1::2])
+            n = len(sizes)
+            parts = [p.index_select(dim, torch.arange(k, p.shape[dim], n, device=p.device))
+                     for p in parts for k in range(n)]
+        else:
+            parts = [piece for p in parts for piece in _split(p, dim, sizes, t.groups)]
     if len(parts) != len(t.neutral):
         raise ParityError(f"{t.hf}: makes {len(parts)} tensors for {len(t.neutral)} neutral names; fix the adapter")
     yield from zip(t.neutral, (p.contiguous() for p in parts))
+
+
+def _split(x: torch.Tensor, dim: int, sizes: tuple[int, ...], groups: int | None) -> list[torch.Tensor]:
+    """x cut along ``dim`` into parts of ``sizes``: one after another, or (``groups``) interleaved in that many
+    blocks, each holding size / groups of every part in order (GPT-NeoX's [heads, 3, head_dim] q/k/v)."""
+    if not groups:
+        return list(torch.split(x, list(sizes), dim=dim))
+    dim = dim % x.dim()
+    if any(size % groups for size in sizes) or x.shape[dim] != sum(sizes):
+        raise ParityError(f"parts {list(sizes)} do not interleave in {groups} blocks of {x.shape[dim]}; "
+                          f"fix the adapter")
+    blocks = x.reshape(*x.shape[:dim], groups, x.shape[dim] // groups, *x.shape[dim + 1:])
+    return [p.reshape(*x.shape[:dim], size, *x.shape[dim + 1:])
+            for p, size in zip(torch.split(blocks, [size // groups for size in sizes], dim=dim + 1), sizes)]
 
 
 def neutral_tensors(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool] = lambda name: True
@@ -279,7 +315,7 @@ def _rope_rows(name: str, layer: dict) -> tuple[int, int, int] | None:
             return mla["kv_lora_rank"] + rot, mla["kv_lora_rank"], rot
         return None
     if short in ("attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias", "attn.q_norm.weight",
-                 "attn.k_norm.weight"):
+                 "attn.k_norm.weight", "attn.q_norm.bias", "attn.k_norm.bias"):  # Phi's q/k LayerNorms: biased
         return att["head_dim"], 0, rope["rotary_dim"]
     return None
 

@@ -92,10 +92,11 @@ class _AttentionSpec(StrictSpec):
     kv_shared_from: Optional[_Count]
     rope: Optional[_RopeSpec]
     mla: Optional[_MlaSpec]
+    sinks: bool = False
 
 
 class _MoeSpec(StrictSpec):
-    routing: Literal["softmax", "sigmoid"]
+    routing: Literal["softmax", "sigmoid", "topk_softmax"]
     experts: _Pos
     top_k: _Pos
     groups: Optional[_Pos] = None
@@ -112,6 +113,9 @@ class _MoeSpec(StrictSpec):
     expert_norm: _Norm
     expert_post_norm: _Norm
     dense_post_norm: _Norm
+    glu_limit: Optional[_PosNum] = None
+    glu_alpha: _PosNum = 1.0
+    glu_up_offset: _Num = 0.0
 
 
 class _MlpSpec(StrictSpec):
@@ -119,6 +123,11 @@ class _MlpSpec(StrictSpec):
     activation: _Activation
     intermediate_size: _Pos
     moe: Optional[_MoeSpec]
+    glu_limit: Optional[_PosNum] = None
+    glu_alpha: _PosNum = 1.0
+    glu_up_offset: _Num = 0.0
+    parallel: bool = False  # beside attention, on the layer's input (GPT-NeoX's parallel residual)
+    shared_norm: bool = False  # parallel, reading attention's own normed input (Phi: one norm per layer)
 
 
 class _BlockNorms(StrictSpec):
@@ -139,6 +148,7 @@ class _LayerSpec(StrictSpec):
     attention: _AttentionSpec
     mlp: _MlpSpec
     per_layer_input: Optional[_PerLayerInput]
+    residual_scale: _PosNum = 1.0
 
 
 class _PerLayerEmbedding(StrictSpec):
@@ -168,12 +178,14 @@ class _HeadSpec(StrictSpec):
     tied: bool
     softcap: Optional[_PosNum]
     transform: Optional[_HeadTransform]
+    scale: _PosNum = 1.0
 
 
 class _TensorSpec(StrictSpec):
     shape: list[_Count]
     dtype: Literal["float32", "bfloat16", "float16", "float64"]
     transposed: bool = False
+    interleaved: _Count = 0  # a part of a fused tensor whose parts were interleaved in that many blocks (per head)
     file: Optional[str] = None
 
 

@@ -202,7 +202,7 @@ def as_op(x, s: int, layout: str, c=None) -> torch.Tensor | None:
             return None
         return ops.scores(t) if layout == "scores" else ops.probs(t)
     if c is not None and c.slice is not None:
-        t = t[..., c.slice[0]:c.slice[1]]
+        t = ops.part(t, c.slice, c.groups)
     heads_first = layout == "heads" or (c is not None and c.heads_first)
     if t.dim() == 2 and t.shape[0] == s:
         return t.reshape(1, s, -1)

@@ -70,7 +70,7 @@ def op_layout(point: ResolvedCapture, t: torch.Tensor) -> torch.Tensor:
     (``slice``) kept; heads held first moved after the positions; a token-flattened [T, width] (a MoE router's
     logits) given its batch of one back."""
     if point.slice is not None:
-        t = t[..., point.slice[0]:point.slice[1]]
+        t = ops.part(t, point.slice, point.groups)
     if point.heads_first:
         return ops.from_heads(t)
     if t.dim() == 2:

@@ -73,8 +73,12 @@ def _config_object(config: dict, cls, source: str):
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
         return None
+    kind = CONFIG_MAPPING[model_type]
+    # transformers 5 writes inf and nan as {"__float__": "Infinity"} (Falcon-H1's and Granite 4's time_step_limit)
+    # and decodes them when it reads a file; so does this
+    decode = getattr(kind, "_decode_special_floats", lambda x: x)
     try:
-        return CONFIG_MAPPING[model_type].from_dict({k: v for k, v in config.items() if k != "auto_map"})
+        return kind.from_dict(decode({k: v for k, v in config.items() if k != "auto_map"}))
     except Exception as exc:  # noqa: BLE001 - a config transformers' own class refuses
         raise ParityError(f"{source}: transformers cannot read it as a {model_type} config ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:160] if str(exc) else 'no message'}); fix the config") from None
@@ -150,6 +154,15 @@ def _rowwise(cfg, base: str, container: str, n: int) -> list[str]:
     return found
 
 
+def _inside_attention(model, template: str, n: int) -> bool:
+    """Whether the module holding a rowwise projection is an attention (by its class name), for models that record
+    no attentions: a hybrid whose mixer is attention in some layers, an MLP or SSM in others."""
+    parent = template.rsplit(".", 1)[0]
+    for i in _present(model, parent, n):
+        return "Attention" in type(model.get_submodule(parent.replace("{i}", str(i)))).__name__
+    return False
+
+
 def _present(model, template: str, n: int) -> list[int]:
     out = []
     for i in range(n):
@@ -214,7 +227,8 @@ def discover(config: dict, source: str = "config.json") -> Adapter | None:
     attention_paths = sorted(f"{container}.{{i}}.{p[len(first):]}" for p, m in model.named_modules()
                              if attention is not None and isinstance(m, attention) and p.startswith(first))
     rowwise = _rowwise(cfg, base, container, n)
-    in_attention = [t for t in rowwise if attention_paths and t.startswith(attention_paths[0] + ".")]
+    in_attention = [t for t in rowwise if (attention_paths and t.startswith(attention_paths[0] + "."))
+                    or (not attention_paths and _inside_attention(model, t, n))]
     outside = [t for t in rowwise if t not in in_attention]
     if len(in_attention) == 1:
         capture["layers.{i}.attn_out"] = {"module": in_attention[0], "io": "output"}

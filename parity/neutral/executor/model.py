@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from parity.neutral.executor import rope as rope_fn
 from parity.neutral.executor.cache import KVCache
-from parity.neutral.executor.ops import ACTIVATIONS, LayerOps, norm, row_order, softcap
+from parity.neutral.executor.ops import ACTIVATIONS, LayerOps, glu, norm, row_order, softcap
 
 OnPoint = Callable[[str, torch.Tensor], None]
 
@@ -169,17 +169,17 @@ class NeutralModel:
             cos_sin = rope_fn.cos_sin(att["rope"], positions)
             q = rope_fn.apply(q, *cos_sin, att["rope"])
             k = rope_fn.apply(k, *cos_sin, att["rope"]) if own else k
-            if op is not None:
-                op.heads("attn.q_rope", q)
-                if own:
-                    op.heads("attn.k_rope", k)
+        if op is not None and self.m.get("rope_style") is not None:  # a NoPE layer hands q/k on unrotated
+            op.heads("attn.q_rope", q)
+            if own:
+                op.heads("attn.k_rope", k)
         if not own:
             k, v = shared[att["kv_shared_from"]]
         elif cache is not None:  # the cached keys, then this call's: [B, K, T, Dh]
             k, v = cache.extend(i, k, v, att["sliding_window"])
         if i in self.kv_sources:
             shared[i] = (k, v)  # a later layer reuses this layer's keys and values
-        return linear(self.attend(q, k, v, att, positions, cache, op), w, "attn.o")
+        return linear(self.attend(q, k, v, att, positions, cache, op, w.get("attn.sinks")), w, "attn.o")
 
     def qk_norm(self, x: torch.Tensor, w: dict, att: dict, which: str, op: LayerOps | None) -> torch.Tensor:
         """q or k [B, S, n*Dh] -> [B, S, n, Dh] through its QK-Norm, full width or per head (if any)."""
@@ -195,8 +195,10 @@ class NeutralModel:
         return x
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, att: dict, positions: torch.Tensor,
-               cache: KVCache | None, op: LayerOps | None) -> torch.Tensor:
-        """softmax(q k^T * scale, softcapped, masked) v: q [B, H, S, Dh], k, v [B, K, T, Dh] -> [B, S, H*Dh]."""
+               cache: KVCache | None, op: LayerOps | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q k^T * scale, softcapped, masked) v: q [B, H, S, Dh], k, v [B, K, T, Dh] -> [B, S, H*Dh].
+        ``sinks`` [H]: where the manifest says ``sinks``, each head's learned logit joins its scores as one more
+        column of the softmax, and that column's probability is dropped (GPT-OSS)."""
         b, h, s, dh = q.shape
         t = k.shape[2]
         k = k.repeat_interleave(h // k.shape[1], dim=1)                              # GQA: [B, H, T, Dh]
@@ -205,7 +207,12 @@ class NeutralModel:
         if cache is None or cache.policy["decode_softcap"] or not cache.decoding:
             scores = softcap(scores, att["softcap"])
         scores = scores + self.mask(positions, t, att).to(scores.dtype)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if att.get("sinks"):  # GPT-OSS: each head's learned logit as one more column, its probability dropped
+            sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, s, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+            probs = probs.to(q.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h * dh)          # [B, S, H*Dh]
         if op is not None:
             op.scores(scores)
@@ -231,7 +238,7 @@ class NeutralModel:
         act = ACTIVATIONS[spec["activation"]]
         gate = linear(x, w, "mlp.gate") if spec["gated"] else None
         up = linear(x, w, "mlp.up")
-        hidden = act(gate) * up if spec["gated"] else act(up)
+        hidden = glu(gate, up, spec) if spec["gated"] else act(up)
         if op is not None:
             if gate is not None:
                 op("mlp.gate", gate)
@@ -275,15 +282,25 @@ class NeutralModel:
             self.attention(a_in, w, att, positions, shared, i, cache, op)
         a = self._norm(a, n["attn_post_norm"], w, "attn_post_norm")
         emit(p + "attn_out", a)
-        x = self._norm(x + a, n["attn_res_norm"], w, "attn_res_norm")
-        emit(p + "mid", x)
+        scale = spec.get("residual_scale", 1.0)  # Granite: residual + sublayer * residual_multiplier
+        a = a if scale == 1.0 else a * scale
+        # parallel (GPT-NeoX): the MLP reads the layer's input too, and both outputs are added to it at the end,
+        # so there is no stream between the two adds (no `mid`)
+        parallel = spec["mlp"].get("parallel", False)
+        x_in = x
+        if not parallel:
+            x = self._norm(x + a, n["attn_res_norm"], w, "attn_res_norm")
+            emit(p + "mid", x)
 
-        m_in = self._norm(x, n["mlp_norm"], w, "mlp_norm")
+        # Phi: a parallel MLP that shares attention's norm reads what attention read
+        m_in = a_in if spec["mlp"].get("shared_norm") else self._norm(x, n["mlp_norm"], w, "mlp_norm")
         emit(p + "mlp_in", m_in)
         m = self.feed_forward(m_in, x, w, spec["mlp"], op)
         m = self._norm(m, n["mlp_post_norm"], w, "mlp_post_norm")
         emit(p + "mlp_out", m)
-        x = self._norm(x + m, n["mlp_res_norm"], w, "mlp_res_norm")
+        m = m if scale == 1.0 else m * scale
+        # transformers' GPTNeoXLayer: `mlp_output + attn_output + hidden_states`, in that order
+        x = self._norm((m + a) + x_in if parallel else x + m, n["mlp_res_norm"], w, "mlp_res_norm")
 
         if spec["per_layer_input"] is not None:  # Gemma 4: a gated per-layer input, added and normed
             g = ACTIVATIONS[spec["mlp"]["activation"]](linear(x, w, "pli.gate")) * per_layer[:, :, i]
@@ -300,6 +317,8 @@ class NeutralModel:
             x = self._norm(x, head["transform"]["norm"], self.w, "head.norm")
         weight = "embed.tokens.weight" if head["tied"] else "lm_head.weight"
         logits = self.vocab_linear(x, weight, self.w.get("head.bias"))               # [B, S, V]
+        if head.get("scale", 1.0) != 1.0:  # Cohere's logit_scale, Granite's 1 / logits_scaling
+            logits = logits * head["scale"]
         return softcap(logits, head["softcap"])
 
     def new_cache(self) -> KVCache:

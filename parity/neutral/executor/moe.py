@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward: a router picks ``top_k`` of ``experts`` gated MLPs per token and sums
 their outputs with per-token weights.
 
-Two routings exist (transformers 5 semantics, which these functions reproduce op for op):
+Three routings exist (transformers 5 semantics, which these functions reproduce op for op):
 
 ``sigmoid`` (DeepSeek-V3, ``DeepseekV3TopkRouter``)
     logits = router_input @ router.weight.T, computed in float32 (input and weight upcast);
@@ -18,6 +18,14 @@ Two routings exist (transformers 5 semantics, which these functions reproduce op
     experts in float32; top-k; renormalised to sum 1 when ``renormalise`` (Gemma 4 and Mixtral always,
     Qwen3-MoE when norm_topk_prob); Gemma 4: times ``moe.router.expert_scale[expert]``.
 
+``topk_softmax`` (GPT-OSS ``GptOssTopKRouter``)
+    logits = router input @ router.weight.T + router.bias in the model dtype; the top-k logits;
+    weights = softmax over those k (they sum to 1: nothing to renormalise).
+
+Each expert is a gated MLP, its unit act(gate) * up as ``ops.glu`` computes it (GPT-OSS: clamped,
+``(up + 1) * gate * sigmoid(1.702 * gate)``), with biases where the layer has them (added after the
+product is rounded, as transformers' grouped experts add them).
+
 Dtypes (the model dtype is that of the inputs): routing weights are computed in float32. Each
 expert's gated MLP runs in the model dtype; its output times its weight is accumulated over the k
 chosen experts in float32 and the sum is cast to the model dtype (transformers' default "grouped_mm"
@@ -29,7 +37,8 @@ model dtype.
 Weights are a dict of neutral names relative to the layer (parity/names.py without "layers.{i}."):
 ``moe.router.weight`` [E, H], ``moe.router.score_bias`` [E], ``moe.router.scale`` [H],
 ``moe.router.expert_scale`` [E], ``moe.experts.{e}.{gate,up,down}.weight``,
-``moe.shared.{gate,up,down}.weight``. Router tensors that are absent are not applied.
+``moe.shared.{gate,up,down}.weight``, and optionally ``moe.router.bias`` [E] and
+``moe.experts.{e}.{gate,up,down}.bias``. Router tensors that are absent are not applied.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parity.neutral.executor.ops import ACTIVATIONS, norm
+from parity.neutral.executor.ops import glu, norm
 
 
 def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict,
@@ -65,7 +74,7 @@ def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict,
     weights, index = route(router_input, w, spec, on_logits)                 # [T, k] float32, [T, k] int64
     if spec.get("weights_dtype") == "model":
         weights = weights.to(expert_input.dtype)                  # Qwen3-MoE: weights rounded to the model dtype
-    act = ACTIVATIONS[spec["activation"]]
+    act = lambda gate, up: glu(gate, up, spec)  # noqa: E731 - act(gate) * up, with any clamps and offset
     out = routed_experts(expert_input, weights, index, w, act, spec["experts"])  # [T, H] model dtype
     if spec.get("shared_experts"):
         out = out + gated_mlp(expert_input, w, "moe.shared", act)
@@ -84,8 +93,11 @@ def route(router_input: Tensor, w: dict, spec: dict,
     elif spec["routing"] == "softmax":
         probs = torch.softmax(logits, dim=-1)                     # [T, E] float32
         weights, index = probs.topk(spec["top_k"], dim=-1)        # [T, k]
+    elif spec["routing"] == "topk_softmax":                       # GPT-OSS: the top-k logits, then their softmax
+        chosen, index = logits.topk(spec["top_k"], dim=-1)        # [T, k]
+        weights = torch.softmax(chosen, dim=-1)                   # [T, k] float32
     else:
-        raise ValueError(f"unknown MoE routing {spec['routing']!r} (sigmoid or softmax)")
+        raise ValueError(f"unknown MoE routing {spec['routing']!r} (sigmoid, softmax or topk_softmax)")
     if spec.get("renormalise"):
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # DeepSeek's guard; 1e-20 vanishes in any real sum
     if "moe.router.expert_scale" in w:
@@ -105,9 +117,10 @@ def router_logits(x: Tensor, w: dict, spec: dict) -> Tensor:
         x = x * spec["router_input_scale"]
     router_dtype = spec["router_dtype"]
     weight = w["moe.router.weight"]                               # [E, H]
+    bias = w.get("moe.router.bias")                               # [E] (GPT-OSS)
     if router_dtype == "float32":
-        return F.linear(x.float(), weight.float())
-    return F.linear(x, weight.to(x.dtype)).float()
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype)).float()
 
 
 def _sigmoid_choice(logits: Tensor, w: dict, spec: dict) -> tuple[Tensor, Tensor]:
@@ -153,8 +166,15 @@ def routed_experts(x: Tensor, weights: Tensor, index: Tensor, w: dict, act, expe
 
 
 def gated_mlp(x: Tensor, w: dict, prefix: str, act) -> Tensor:
-    """down(act(gate(x)) * up(x)), all in x's dtype."""
-    gate = F.linear(x, w[f"{prefix}.gate.weight"])
-    up = F.linear(x, w[f"{prefix}.up.weight"])
-    return F.linear(act(gate) * up, w[f"{prefix}.down.weight"])
+    """down(act(gate(x), up(x))), all in x's dtype; ``act(gate, up)`` is the gated unit (ops.glu). Biases where
+    the layer has them (GPT-OSS's experts)."""
+    gate = _biased(F.linear(x, w[f"{prefix}.gate.weight"]), w.get(f"{prefix}.gate.bias"))
+    up = _biased(F.linear(x, w[f"{prefix}.up.weight"]), w.get(f"{prefix}.up.bias"))
+    return _biased(F.linear(act(gate, up), w[f"{prefix}.down.weight"]), w.get(f"{prefix}.down.bias"))
+
+
+def _biased(y: Tensor, bias: Tensor | None) -> Tensor:
+    """An expert's projection plus its bias, added after the product is rounded to the model dtype (transformers'
+    grouped experts: ``out.add_(bias)``), not fused into it."""
+    return y if bias is None else y + bias
 

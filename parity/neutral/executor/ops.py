@@ -60,6 +60,24 @@ def _low_precision_norm(x: torch.Tensor, spec: dict) -> torch.Tensor:
     return x * torch.rsqrt(_mean_in(x * x) + spec["eps"])
 
 
+def glu(gate: torch.Tensor, up: torch.Tensor, spec: dict) -> torch.Tensor:
+    """The gated unit act(gate) * up, with the manifest's ``glu_*`` arithmetic where it states some (GPT-OSS):
+    gate clamped to at most ``glu_limit`` and up to [-glu_limit, glu_limit]; the activation read at
+    ``glu_alpha * gate`` and divided by it (silu: gate * sigmoid(alpha * gate), computed so); up + ``glu_up_offset``.
+    """
+    limit, alpha, offset = spec.get("glu_limit"), spec.get("glu_alpha", 1.0), spec.get("glu_up_offset", 0.0)
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    if alpha == 1.0:
+        hidden = ACTIVATIONS[spec["activation"]](gate)
+    elif spec["activation"] == "silu":
+        hidden = gate * torch.sigmoid(gate * alpha)
+    else:
+        hidden = ACTIVATIONS[spec["activation"]](gate * alpha) / alpha
+    return hidden * (up + offset if offset else up)
+
+
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """cap * tanh(x / cap): 10 -> 9.6, 30 -> 22.8, 60 -> 28.9 for cap 30."""
     return x if not cap else torch.tanh(x / cap) * cap

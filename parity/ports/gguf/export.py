@@ -123,6 +123,33 @@ def _one(values: list, what: str, arch: str):
     return next(iter(distinct.values()), None)
 
 
+def _multipliers(writer, manifest: dict, spec) -> None:
+    """Granite's four multipliers where the architecture reads them; elsewhere a model with a residual or logit
+    multiplier is refused (llama.cpp would run it without)."""
+    arch, layers = spec.arch, manifest["layers"]
+    residual = _one([layer.get("residual_scale", 1.0) for layer in layers], "the residual multiplier", arch)
+    logits = (manifest["head"] or {}).get("scale", 1.0)
+    if not spec.multipliers:
+        if residual != 1.0 or logits != 1.0:
+            raise ParityError(f"llama.cpp's {arch} has no residual or logit multiplier; this model has one")
+        return
+    writer.add_embedding_scale(manifest["embedding"]["scale"])
+    writer.add_residual_scale(residual)
+    writer.add_attention_scale(_one([layer["attention"]["scale"] for layer in layers], "the attention scale", arch))
+    writer.add_logit_scale(1.0 / logits)  # llama.cpp divides the logits by it
+
+
+def _nope(manifest: dict, spec) -> None:
+    """llama.cpp fixes which layers go without RoPE (every ``nope_every``-th): the model's must be those."""
+    ropes = [layer["attention"]["rope"] is not None for layer in manifest["layers"]]
+    every = spec.nope_every
+    expected = [not every or (i + 1) % every != 0 for i in range(len(ropes))]
+    if any(ropes) and ropes != expected:
+        nope = [i for i, r in enumerate(ropes) if not r]
+        raise ParityError(f"layers {nope or 'none'} apply no RoPE; llama.cpp's {spec.arch} skips it on "
+                          + (f"every {every}th layer" if every else "none"))
+
+
 def _metadata(writer, manifest: dict, spec) -> dict | None:
     """Write the hyperparameters llama.cpp reads; returns the RoPE of the (global) layers, for rope_freqs."""
     arch = spec.arch
@@ -133,8 +160,9 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     intermediate = _one([layer["mlp"]["intermediate_size"] for layer in layers], "the MLP width", arch)
     if any(a["mla"] is not None for a in atts) or any(layer["mlp"]["moe"] for layer in layers):
         raise ParityError(f"MLA and MoE layers are not written to GGUF yet (architecture {arch!r})")
+    _multipliers(writer, manifest, spec)
     for i, a in enumerate(atts):
-        if abs(a["scale"] - a["head_dim"] ** -0.5) > 1e-9 * a["scale"]:
+        if not spec.multipliers and abs(a["scale"] - a["head_dim"] ** -0.5) > 1e-9 * a["scale"]:
             raise ParityError(f"layer {i}: attention scale {a['scale']:g} is not head_dim ** -0.5 = "
                               f"{a['head_dim'] ** -0.5:g}; llama.cpp's {arch} computes 1/sqrt(head_dim) (it does not "
                               f"read query_pre_attn_scalar), so this model cannot be written for it")
@@ -164,14 +192,15 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
         writer.add_attn_logit_softcapping(softcap)
     if final_softcap:
         writer.add_final_logit_softcapping(final_softcap)
-    ropes = [a["rope"] for a in atts]
-    if all(r is None for r in ropes):
+    _nope(manifest, spec)
+    pairs = [(a["rope"], w) for a, w in zip(atts, windowed) if a["rope"] is not None]  # NoPE layers: none
+    if not pairs:
         return None
-    full = [r for r, w in zip(ropes, windowed) if not w] or ropes
+    full = [r for r, w in pairs if not w] or [r for r, _ in pairs]
     rope = _one(full, "RoPE", arch)
     writer.add_rope_dimension_count(rope["rotary_dim"])
     writer.add_rope_freq_base(rope["theta"])
-    local = [r for r, w in zip(ropes, windowed) if w]
+    local = [r for r, w in pairs if w]
     if local:
         swa = _one(local, "the sliding layers' RoPE", arch)
         if {**swa, "theta": rope["theta"]} != rope or (swa["theta"] != rope["theta"] and not spec.local_rope_base):

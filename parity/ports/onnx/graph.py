@@ -34,6 +34,7 @@ from parity.errors import ParityError
 FUSED_NORMS = {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
 SKIP_NORMS = {"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}
 ELEMENTWISE_WITH_CONSTANT = {"Mul", "Add", "Div", "Sub"}
+SHAPE_OPS = {"Shape", "ShapeOf"}  # read a value's shape, not its data (ONNX's, OpenVINO's)
 # which point a norm's output (and the stream it reads) is, by the norm's neutral slot
 NORM_OUTPUT_POINT = {"attn_norm": "attn_in", "attn_post_norm": "attn_out", "attn_res_norm": "mid",
                      "mlp_norm": "mlp_in", "mlp_post_norm": "mlp_out", "mlp_res_norm": "out"}
@@ -149,8 +150,9 @@ def crossing(g: Graph, module: str, io: str) -> list[str] | None:
     for k in inside:
         node = g.nodes[k]
         if io == "output":
-            for v in node.output:
-                if v and (v in g.outputs or any(j not in members for j in g.consumers.get(v, []))):
+            for v in node.output:  # a value only a shape op reads outside (its length, for a mask) stays inside
+                if v and (v in g.outputs or any(j not in members and g.nodes[j].op_type not in SHAPE_OPS
+                                                for j in g.consumers.get(v, []))):
                     found.append(v)
         else:
             for v in node.input:
@@ -391,11 +393,11 @@ def _residual(g: Graph, get, put, stream: str, added: str, summed: str, res_norm
 
 
 def hidden_width(ckpt) -> int:
-    return next(t.shape for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))[1]
+    return ckpt.resolved.embedding_shape[1]
 
 
 def vocabulary(ckpt) -> int:
-    return next(t.shape for t in ckpt.resolved.tensors if t.neutral == ("embed.tokens.weight",))[0]
+    return ckpt.resolved.embedding_shape[0]
 
 
 @dataclass
