@@ -23,8 +23,8 @@ DESIGN_IDS = [bug_id for bug_id, _, _ in DESIGN]
 EVERY = list(load_all())
 GEMMA = ["gemma", "gemma2", "gemma3", "gemma4"]
 ROPE = [f for f in EVERY if f not in ("bert", "gpt2")]
-# GPT-NeoX and Phi: LayerNorm and a plain GELU MLP; StableLM: LayerNorm and SwiGLU
-RMS = [f for f in ROPE if f not in ("gpt_neox", "phi", "stablelm")]
+# GPT-NeoX and Phi: LayerNorm and a plain GELU MLP; StableLM, Cohere: LayerNorm and SwiGLU
+RMS = [f for f in ROPE if f not in ("gpt_neox", "phi", "stablelm", "cohere", "cohere2")]
 GATED = [f for f in ROPE if f not in ("gpt_neox", "phi")]
 GROUPS = {"all": EVERY, "all (low-precision runs)": EVERY, "every RMSNorm family": RMS, "all RoPE families": ROPE,
           "all gated-MLP families": GATED, "gemma family": GEMMA, "tied families": ["bert", "gpt2", *GEMMA],

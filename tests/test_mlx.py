@@ -127,9 +127,9 @@ def _check(reference, candidate, report: Path, *extra):
 
 
 def test_the_families_mlx_runs():
-    assert MLX_FAMILIES == ["deepseek_v3", "gemma", "gemma2", "gemma3", "gemma4", "gpt2", "gpt_neox", "granite",
-                            "llama", "mistral", "mixtral", "olmo2", "olmo3", "phi", "qwen2", "qwen3", "qwen3_moe",
-                            "smollm3", "stablelm"]
+    assert MLX_FAMILIES == ["cohere", "cohere2", "deepseek_v3", "gemma", "gemma2", "gemma3", "gemma4", "gpt2",
+                            "gpt_neox", "granite", "llama", "mistral", "mixtral", "olmo2", "olmo3", "phi", "qwen2",
+                            "qwen3", "qwen3_moe", "smollm3", "stablelm"]
 
 
 # Gemma (1): mlx-lm's MLP uses the exact GELU where transformers uses the tanh one (FINDINGS): 1.9e-4 on the tiny

@@ -316,6 +316,9 @@ def by_structure(g: Graph, ckpt) -> tuple[dict[str, tuple[str, str]], str | None
     # layers whose output is more than the MLP's residual add (Gemma 4: per-layer input, layer scalar)
     extra = {n.layer for n in r.norms if n.neutral.endswith(".pli_post_norm")} | \
         {int(t.neutral[0].split(".")[1]) for t in r.tensors if t.neutral[0].endswith(".layer_scalar")}
+    # layers whose MLP sits beside attention (GPT-NeoX, Phi, Cohere): out = x + (mlp + attn), no `mid`
+    parallel = [bool(r.settings["mlp.parallel"].at(i)) if "mlp.parallel" in r.settings else False
+                for i in range(layers)]
     out: dict[str, tuple[str, str]] = {}
 
     def put(point: str, value: str | None, how: str) -> None:
@@ -341,7 +344,7 @@ def by_structure(g: Graph, ckpt) -> tuple[dict[str, tuple[str, str]], str | None
                 put(f"layers.{i}.{point}", norm.output, how)
             if slot == "attn_norm":
                 put("embed" if i == 0 else f"layers.{i - 1}.out", norm.stream, how + ", its input")
-            if slot == "mlp_norm":
+            if slot == "mlp_norm" and not parallel[i]:
                 put(f"layers.{i}.mid", norm.stream, how + ", its input")
     for _ in range(2):  # each layer's outputs are the next one's inputs: go over them twice
         for i in range(layers):
@@ -349,12 +352,61 @@ def by_structure(g: Graph, ckpt) -> tuple[dict[str, tuple[str, str]], str | None
             p = f"layers.{i}."
             if f"{p}attn_norm" not in norms:  # no pre-norm: attention reads the stream itself
                 put(p + "attn_in", get(x), f"structure: the layer's input ({x}), no attention pre-norm")
+            if parallel[i]:
+                _parallel_residual(g, get, put, x, p, shared_norm=r.layer("mlp.shared_norm", i))
+                continue
             _residual(g, get, put, x, p + "attn_out", p + "mid", norms.get(f"{p}attn_res_norm"))
             if f"{p}mlp_norm" not in norms:
                 put(p + "mlp_in", get(p + "mid"), "structure: the stream after attention, no MLP pre-norm")
             _residual(g, get, put, p + "mid", p + "mlp_out", p + "out",
                       norms.get(f"{p}mlp_res_norm"), summed_is_output=i not in extra)
     return out, None
+
+
+def _parallel_residual(g: Graph, get, put, stream: str, p: str, shared_norm: bool) -> None:
+    """A parallel block: out = x + (mlp + attn), with no stream between the adds. The outer add reads x; the inner
+    add's operands are the two sublayers' outputs, told apart by the softmax on attention's side."""
+    x, total = get(stream), get(p + "out")
+    how = f"structure: the parallel residual add {stream} + ({p}attn_out + {p}mlp_out)"
+    if shared_norm:  # one norm for both sublayers: the MLP reads what attention reads
+        put(p + "mlp_in", get(p + "attn_in"), "structure: the layer's one norm, shared by attention and the MLP")
+    if x is None:
+        return
+    if total is None:
+        adds = [j for j in g.consumers.get(x, []) if g.nodes[j].op_type == "Add"
+                and all(v not in g.constants for v in g.nodes[j].input)]
+        if len(adds) != 1:
+            return
+        total = g.nodes[adds[0]].output[0]
+        put(p + "out", total, how)
+    outer = g.nodes[g.producer[total]] if total in g.producer else None
+    if outer is None or outer.op_type != "Add" or len(outer.input) != 2 or x not in outer.input:
+        return
+    summed = outer.input[1] if outer.input[0] == x else outer.input[0]
+    inner = g.nodes[g.producer[summed]] if summed in g.producer else None
+    if inner is None or inner.op_type != "Add" or len(inner.input) != 2:
+        return
+    sides = [_reaches_softmax(g, v, stop={x, get(p + "attn_in"), get(p + "mlp_in")}) for v in inner.input]
+    if sides.count(True) != 1:
+        return
+    attn, mlp = (inner.input[0], inner.input[1]) if sides[0] else (inner.input[1], inner.input[0])
+    put(p + "attn_out", attn, how)
+    put(p + "mlp_out", mlp, how)
+
+
+def _reaches_softmax(g: Graph, value: str, stop: set) -> bool:
+    """Whether the subgraph producing ``value``, back to the ``stop`` values, holds a Softmax (attention's side)."""
+    seen, todo = set(), [value]
+    while todo:
+        v = todo.pop()
+        if v in seen or v in stop or v not in g.producer:
+            continue
+        seen.add(v)
+        node = g.nodes[g.producer[v]]
+        if node.op_type == "Softmax":
+            return True
+        todo.extend(node.input)
+    return False
 
 
 def _residual(g: Graph, get, put, stream: str, added: str, summed: str, res_norm: Norm | None,
