@@ -26,7 +26,8 @@ MLX_FAMILIES = sorted(set(ADAPTERS) - {"bert", "gpt_oss"})
 # strict loading refuses them), sliding windows on qwen2/qwen3/mistral/mixtral (mlx-lm attends globally: see
 # FINDINGS), Gemma 2's window beyond the prompt (likewise), Gemma 3's final softcap (released: none), Qwen3-MoE's
 # RoPE scaling (its mlx-lm model has plain RoPE), Qwen2-MoE's RoPE scaling, top-k renormalisation and dense layers
-# (its mlx-lm model has plain RoPE, never renormalises and makes every layer MoE), GPT-2's n_inner and per-layer attention scale (released: none).
+# (its mlx-lm model has plain RoPE, never renormalises and makes every layer MoE), GPT-2's n_inner and per-layer
+# attention scale (released: none).
 RELEASED = {
     "gemma": {"attention_bias": False}, "gemma2": {"attention_bias": False, "sliding_window": 4096},
     "gemma3": {"attention_bias": False, "final_logit_softcapping": None}, "gemma4": {"attention_bias": False},

@@ -35,7 +35,8 @@ MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe"]
 PER_EXPERT = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
 PROMPT = torch.tensor([[(11 * k + 5) % 256 for k in range(48)]])
 # the MoE block as transformers names it in memory, and the first MoE layer of each tiny checkpoint
-BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock"}
+BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock",
+          "qwen2_moe": "Qwen2MoeSparseMoeBlock"}
 # per-expert tensor names on disk (what the released checkpoints hold), by neutral expert tensor
 ON_DISK = {
     "qwen3_moe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
@@ -361,7 +362,8 @@ def test_the_qwen2_moe_shared_expert_and_its_gate_are_mapped_and_gate_the_output
     assert _moe_layers(r) == [0, 2]
     tmap = r.tensor_map("model.")
     for i in _moe_layers(r):
-        assert tmap[f"model.layers.{i}.mlp.shared_expert_gate.weight"].neutral == (f"layers.{i}.moe.shared_gate.weight",)
+        gate = tmap[f"model.layers.{i}.mlp.shared_expert_gate.weight"]
+        assert gate.neutral == (f"layers.{i}.moe.shared_gate.weight",)
         for part in ("gate", "up", "down"):
             assert tmap[f"model.layers.{i}.mlp.shared_expert.{part}_proj.weight"].neutral == \
                 (f"layers.{i}.moe.shared.{part}.weight",)
