@@ -146,6 +146,7 @@ TENSORS = frozenset(
         "layers.{i}.moe.shared.gate.weight",
         "layers.{i}.moe.shared.up.weight",
         "layers.{i}.moe.shared.down.weight",
+        "layers.{i}.moe.shared_gate.weight",
         "layers.{i}.pli.gate.weight",
         "layers.{i}.pli.proj.weight",
         "layers.{i}.layer_scalar",

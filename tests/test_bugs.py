@@ -46,10 +46,10 @@ DESIGN_FAMILIES = {bug_id: _families(families) for bug_id, _, families in DESIGN
 
 
 def test_the_catalog_is_designs_list():
-    """docs/design.md's table, in the catalog's order: the 30 prefill mistakes, then the KV-cache ones that only
+    """docs/design.md's table, in the catalog's order: the 31 prefill mistakes, then the KV-cache ones that only
     decode steps show (issue 14's list)."""
     assert [(b.id, b.mistake) for b in bugs.CATALOG] == [(bug_id, mistake) for bug_id, mistake, _ in DESIGN]
-    assert len([b for b in bugs.CATALOG if not b.decode]) == 30
+    assert len([b for b in bugs.CATALOG if not b.decode]) == 31
     assert [b.id for b in bugs.CATALOG if b.decode] == ["decode-position-offset", "sliding-window-cache-off-by-one",
                                                         "kv-cache-wrong-layer", "decode-softcap-dropped",
                                                         "kv-heads-order-swapped"]
@@ -104,6 +104,7 @@ def test_injection_changes_conventions_not_code(tiny_dir, tmp_path):
     ("gpt_neox", "parallel-residual-sequential", "layers.0.mlp_in"),
     ("gpt_neox", "fused-qkv-split-wrong", "layers.0.attn_out"),
     ("phi", "parallel-residual-sequential", "layers.0.mlp_in"),
+    ("qwen2_moe", "shared-expert-gate-dropped", "layers.0.mlp_out"),
 ])
 def test_representative_pairs_fail_at_the_right_point_with_the_right_name(family, bug, first, tiny_dir, tmp_path):
     convert(tiny_dir(family), tmp_path / "n")

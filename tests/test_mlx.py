@@ -25,12 +25,16 @@ MLX_FAMILIES = sorted(set(ADAPTERS) - {"bert", "gpt_oss"})
 # turned off as the released models have them: attention biases (gemma*, qwen3*: mlx-lm's have none, and its
 # strict loading refuses them), sliding windows on qwen2/qwen3/mistral/mixtral (mlx-lm attends globally: see
 # FINDINGS), Gemma 2's window beyond the prompt (likewise), Gemma 3's final softcap (released: none), Qwen3-MoE's
-# RoPE scaling (its mlx-lm model has plain RoPE), GPT-2's n_inner and per-layer attention scale (released: none).
+# RoPE scaling (its mlx-lm model has plain RoPE), Qwen2-MoE's RoPE scaling, top-k renormalisation and dense layers
+# (its mlx-lm model has plain RoPE, never renormalises and makes every layer MoE), GPT-2's n_inner and per-layer
+# attention scale (released: none).
 RELEASED = {
     "gemma": {"attention_bias": False}, "gemma2": {"attention_bias": False, "sliding_window": 4096},
     "gemma3": {"attention_bias": False, "final_logit_softcapping": None}, "gemma4": {"attention_bias": False},
     "qwen2": {"use_sliding_window": False}, "qwen3": {"attention_bias": False, "use_sliding_window": False},
     "qwen3_moe": {"attention_bias": False, "use_sliding_window": False, "rope_scaling": None,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    "qwen2_moe": {"use_sliding_window": False, "rope_scaling": None, "norm_topk_prob": False, "mlp_only_layers": [],
                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
     "mistral": {"sliding_window": None}, "mixtral": {"sliding_window": None},
     "gpt2": {"n_inner": None, "scale_attn_by_inverse_layer_idx": False},
@@ -128,8 +132,8 @@ def _check(reference, candidate, report: Path, *extra):
 
 def test_the_families_mlx_runs():
     assert MLX_FAMILIES == ["cohere", "cohere2", "deepseek_v3", "gemma", "gemma2", "gemma3", "gemma4", "gpt2",
-                            "gpt_neox", "granite", "llama", "mistral", "mixtral", "olmo2", "olmo3", "phi", "qwen2",
-                            "qwen3", "qwen3_moe", "smollm3", "stablelm"]
+                            "gpt_neox", "granite", "llama", "mistral", "mixtral", "olmo2", "olmo3", "olmoe", "phi",
+                            "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "stablelm"]
 
 
 # Gemma (1): mlx-lm's MLP uses the exact GELU where transformers uses the tanh one (FINDINGS): 1.9e-4 on the tiny

@@ -29,13 +29,14 @@ from parity.neutral.manifest import load
 from parity.reference.capture import run_and_capture
 from tests.conftest import ADAPTERS, FIXTURES, real_config
 
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe"]
 # the families whose checkpoints store each expert's gate, up and down apart (gpt_oss stores them stacked, gate and
 # up interleaved in one gate_up_proj)
-PER_EXPERT = ["qwen3_moe", "mixtral"]
+PER_EXPERT = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
 PROMPT = torch.tensor([[(11 * k + 5) % 256 for k in range(48)]])
 # the MoE block as transformers names it in memory, and the first MoE layer of each tiny checkpoint
-BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}
+BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock",
+          "qwen2_moe": "Qwen2MoeSparseMoeBlock"}
 # per-expert tensor names on disk (what the released checkpoints hold), by neutral expert tensor
 ON_DISK = {
     "qwen3_moe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
@@ -43,6 +44,10 @@ ON_DISK = {
     "mixtral": {"gate": "block_sparse_moe.experts.{e}.w1.weight", "up": "block_sparse_moe.experts.{e}.w3.weight",
                 "down": "block_sparse_moe.experts.{e}.w2.weight", "router": "block_sparse_moe.gate.weight"},
     "gpt_oss": {"router": "mlp.router.weight"},
+    "qwen2_moe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
+                  "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
+    "olmoe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
+              "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
 }
 
 
@@ -318,3 +323,68 @@ def test_the_real_configs_are_vendored_with_their_sources():
     sources = (FIXTURES / "configs" / "SOURCES.md").read_text()
     for name in ("qwen3-30b-a3b.json", "mixtral-8x7b-v0.1.json"):
         assert f"| {name} |" in sources
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen2-MoE's gated shared expert and layer rules, OLMoE's defaults
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"decoder_sparse_step": 2, "mlp_only_layers": [3]},
+    {"use_sliding_window": True, "max_window_layers": 4, "sliding_window": 32},
+    {"qkv_bias": False, "shared_expert_intermediate_size": 96},
+])
+def test_qwen2_moe_conventions_are_what_transformers_builds(overrides):
+    """No verbatim released config is vendored: Qwen2MoeConfig's own defaults (Qwen1.5-MoE-A2.7B's shape) resolve
+    to the MoE layers, windows and tensors transformers builds, the shared expert gated."""
+    a = ADAPTERS["qwen2_moe"]
+    cfg = transformers.Qwen2MoeConfig(num_hidden_layers=6, hidden_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32,
+                                      vocab_size=256, **overrides)
+    config = {**cfg.to_dict(), "architectures": ["Qwen2MoeForCausalLM"]}
+    config.pop("layer_types")  # as the released configs hold it: derived from use_sliding_window / max_window_layers
+    r = resolve(a, a.spec.variants[0], config)
+    with torch.device("meta"):
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    built = [i for i, layer in enumerate(model.model.layers) if type(layer.mlp).__name__ == BLOCKS["qwen2_moe"]]
+    assert _moe_layers(r) == built
+    windows = [r.layer("attention.sliding_window", i) for i in range(6)]
+    assert windows == [cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types]
+    assert sum(t.numel for t in r.tensors) == sum(p.numel() for p in model.parameters())
+    assert r["mlp.moe_shared_gate"] is True and r["mlp.moe_renormalise"] is False
+    assert r["mlp.moe_shared_intermediate_size"] == cfg.shared_expert_intermediate_size
+    assert r["attention.q_bias"] is cfg.qkv_bias
+
+
+def test_the_qwen2_moe_shared_expert_and_its_gate_are_mapped_and_gate_the_output(tiny_dir, neutral_dir):
+    r = open_checkpoint(tiny_dir("qwen2_moe")).resolved
+    assert _moe_layers(r) == [0, 2]
+    tmap = r.tensor_map("model.")
+    for i in _moe_layers(r):
+        gate = tmap[f"model.layers.{i}.mlp.shared_expert_gate.weight"]
+        assert gate.neutral == (f"layers.{i}.moe.shared_gate.weight",)
+        for part in ("gate", "up", "down"):
+            assert tmap[f"model.layers.{i}.mlp.shared_expert.{part}_proj.weight"].neutral == \
+                (f"layers.{i}.moe.shared.{part}.weight",)
+    manifest, tensors = load(neutral_dir("qwen2_moe"))
+    spec = manifest["layers"][0]["mlp"]["moe"]
+    assert spec["shared_gate"] is True and spec["shared_experts"] == 1 and spec["shared_intermediate_size"] == 48
+    w = {k.removeprefix("layers.0."): v for k, v in tensors.items() if k.startswith("layers.0.")}
+    x = torch.randn(16, manifest["hidden_size"])
+    assert rel_l2(moe(x, x, w, {**spec, "shared_gate": False}), moe(x, x, w, spec)) > 1e-2
+
+
+def test_olmoe_conventions_resolve_from_transformers_defaults():
+    a = ADAPTERS["olmoe"]
+    cfg = transformers.OlmoeConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=32, num_experts=8, vocab_size=256)
+    config = {**cfg.to_dict(), "architectures": ["OlmoeForCausalLM"]}
+    r = resolve(a, a.spec.variants[0], config)
+    assert _moe_layers(r) == [0, 1] and r["attention.qk_norm"] == "full_width"
+    assert r["mlp.moe_renormalise"] is False and r["mlp.moe_weights_dtype"] == "model" and r["norm.eps"] == 1e-5
+    with torch.device("meta"):
+        model = transformers.OlmoeForCausalLM(cfg)
+    assert sum(t.numel for t in r.tensors) == sum(p.numel() for p in model.parameters())
+    with pytest.raises(parity.ParityError, match="clip_qkv"):  # the neutral layout has no q/k/v clamp
+        resolve(a, a.spec.variants[0], {**config, "clip_qkv": 8.0})

@@ -76,6 +76,7 @@ OPTIONAL = frozenset({
     "attention.softcap", "attention.sliding_window", "attention.kv_shared_from", "attention.q_lora_rank",
     "attention.kv_lora_rank", "attention.qk_nope_head_dim", "attention.qk_rope_head_dim", "attention.v_head_dim",
     "mlp.experts", "mlp.experts_per_token", "mlp.shared_experts", "mlp.moe_intermediate_size",
+    "mlp.moe_shared_intermediate_size",
     "mlp.moe_groups", "mlp.moe_groups_kept", "mlp.moe_scale", "mlp.moe_router_input_scale", "mlp.glu_limit",
     "embedding.final_softcap", "embedding.per_layer_input_size",
     "positions.rope_theta", "positions.rope_scaling", "positions.rotary_dim",
@@ -178,6 +179,12 @@ class MLPConvention(_Strict):
     experts_per_token: Value = False
     shared_experts: Value = False
     moe_intermediate_size: Value = False
+    # the shared experts' MLP width where it is not moe_intermediate_size * shared_experts (Qwen2-MoE's one shared
+    # expert of shared_expert_intermediate_size); none: that product
+    moe_shared_intermediate_size: Value = False
+    # the shared experts' output times sigmoid(x @ moe.shared_gate.weight.T), one gate per token ([1, hidden]:
+    # Qwen2-MoE's shared_expert_gate); false: added as it is (DeepSeek-V3)
+    moe_shared_gate: Value = False
     moe_groups: Value = False            # experts are chosen within groups (DeepSeek-V3 n_group); none = one group
     moe_groups_kept: Value = False       # groups kept per token (topk_group)
     moe_renormalise: Value = False       # top-k weights rescaled to sum to 1

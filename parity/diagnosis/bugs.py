@@ -240,6 +240,16 @@ def _sequential(m: dict, t: Tensors) -> None:
         mlp["parallel"] = mlp["shared_norm"] = False  # the MLP reads the stream after the attention add, as Llama's
 
 
+def _shared_gated(m: dict) -> list[dict]:
+    """The MoE blocks whose shared experts' output is gated by sigmoid(shared_gate(x)) (Qwen2-MoE)."""
+    return [layer["mlp"]["moe"] for layer in m["layers"] if (layer["mlp"]["moe"] or {}).get("shared_gate")]
+
+
+def _shared_gate_dropped(m: dict, t: Tensors) -> None:
+    for spec in _shared_gated(m):
+        spec["shared_gate"] = False  # the shared experts' output added as it is
+
+
 def _interleaved(m: dict) -> list[str]:
     """The q/k/v tensors split from a fused tensor whose parts were interleaved per head (GPT-NeoX)."""
     return [n for n, info in m["tensors"].items() if info.get("interleaved", 0) > 1]
@@ -478,6 +488,10 @@ CATALOG: list[Bug] = [
         "[3, heads, head_dim]", "q, k and v cut from the fused projection as three blocks", "garbage at once",
         "no public instance found",
         lambda m: bool(_interleaved(m)), _fused_split_wrong, op="attn.q"),
+    Bug("shared-expert-gate-dropped", "the shared expert's output added without its sigmoid gate "
+        "(sigmoid(shared_expert_gate(x)))", "the MoE block with its shared expert ungated", "garbage at once",
+        "no public instance found",
+        lambda m: bool(_shared_gated(m)), _shared_gate_dropped, op="mlp_out"),
     # KV-cache mistakes: the prefill is right, decode steps are not
     Bug("decode-position-offset", "decode steps placed one position late (the new token counted twice)",
         "decode steps at positions shifted by one", "decode only", "no public instance found",

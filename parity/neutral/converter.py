@@ -141,6 +141,8 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
             "renormalise": bool(at("mlp.moe_renormalise")),
             "scale": at("mlp.moe_scale"),
             "shared_experts": at("mlp.shared_experts"),
+            "shared_intermediate_size": at("mlp.moe_shared_intermediate_size"),
+            "shared_gate": bool(at("mlp.moe_shared_gate")),  # the shared experts' output times sigmoid(shared_gate(x))
             "intermediate_size": at("mlp.moe_intermediate_size"),
             "activation": at("mlp.activation"),
             "router_norm": norm("moe.router_norm"),

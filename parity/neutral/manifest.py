@@ -104,6 +104,8 @@ class _MoeSpec(StrictSpec):
     renormalise: bool = False
     scale: Optional[_Num] = None
     shared_experts: Optional[_Count] = None
+    shared_intermediate_size: Optional[_Pos] = None
+    shared_gate: bool = False
     intermediate_size: _Pos
     activation: _Activation
     router_norm: _Norm = None

@@ -32,12 +32,13 @@ chosen experts in float32 and the sum is cast to the model dtype (transformers' 
 experts implementation). The weight multiplies in float32 (``weights_dtype`` "float32", the default)
 or, where the router casts its weights to the model dtype first (Qwen3-MoE: ``weights_dtype``
 "model"), in the model dtype. Shared experts run in the model dtype and are added to that sum in the
-model dtype.
+model dtype; with ``shared_gate`` (Qwen2-MoE's shared_expert_gate) their output is first multiplied by
+sigmoid(expert_input @ moe.shared_gate.weight.T) [T, 1], in the model dtype.
 
 Weights are a dict of neutral names relative to the layer (parity/names.py without "layers.{i}."):
 ``moe.router.weight`` [E, H], ``moe.router.score_bias`` [E], ``moe.router.scale`` [H],
 ``moe.router.expert_scale`` [E], ``moe.experts.{e}.{gate,up,down}.weight``,
-``moe.shared.{gate,up,down}.weight``, and optionally ``moe.router.bias`` [E] and
+``moe.shared.{gate,up,down}.weight``, ``moe.shared_gate.weight`` [1, H], and optionally ``moe.router.bias`` [E] and
 ``moe.experts.{e}.{gate,up,down}.bias``. Router tensors that are absent are not applied.
 """
 
@@ -63,7 +64,7 @@ def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict,
             tensor; Gemma 4: ``pre_feedforward_layernorm_2(mid)``).
         w: the layer's tensors by neutral name (see the module docstring).
         spec: ``routing`` ("sigmoid" | "softmax"), ``experts``, ``top_k``, ``groups``,
-            ``groups_kept``, ``renormalise``, ``scale``, ``shared_experts``, ``activation``,
+            ``groups_kept``, ``renormalise``, ``scale``, ``shared_experts``, ``shared_gate``, ``activation``,
             ``router_norm`` (None or {"kind": "rmsnorm", "eps", "weight": False}),
             ``router_input_scale``; optionally ``router_dtype`` ("float32" | "model": the dtype of
             the router projection; default float32 for sigmoid routing, model for softmax);
@@ -77,7 +78,10 @@ def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict,
     act = lambda gate, up: glu(gate, up, spec)  # noqa: E731 - act(gate) * up, with any clamps and offset
     out = routed_experts(expert_input, weights, index, w, act, spec["experts"])  # [T, H] model dtype
     if spec.get("shared_experts"):
-        out = out + gated_mlp(expert_input, w, "moe.shared", act)
+        shared = gated_mlp(expert_input, w, "moe.shared", act)                # [T, H] model dtype
+        if spec.get("shared_gate"):  # Qwen2-MoE: times sigmoid(x @ shared_gate.T) [T, 1], in the model dtype
+            shared = torch.sigmoid(F.linear(expert_input, w["moe.shared_gate.weight"])) * shared
+        out = out + shared
     return out
 
 
