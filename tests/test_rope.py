@@ -101,8 +101,13 @@ def check_every_layer(r, module_factory, layer_types) -> int:
         ref_cos, ref_sin = reference_cos_sin(module_factory(), positions, layer_types[i] if layer_types else None)
         cos, sin = R.cos_sin(rope, positions)
         assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (len(positions), rope["rotary_dim"])
-        assert rel_err(to_half_layout(cos, rope), ref_cos) <= 1e-6, f"layer {i}: cos"
-        assert rel_err(to_half_layout(sin, rope), ref_sin) <= 1e-6, f"layer {i}: sin"
+        # transformers' tables are cat(freqs, freqs), except where the model rotates adjacent pairs itself
+        # (Cohere: repeat_interleave), each frequency then repeated for its pair
+        pairs = torch.equal(ref_cos[..., 0::2], ref_cos[..., 1::2])
+        if ref_cos.shape[-1] == rope["rotary_dim"] // 2:  # GPT-OSS: one angle per pair, [S, r/2]
+            cos, sin, pairs = cos[..., : rope["rotary_dim"] // 2], sin[..., : rope["rotary_dim"] // 2], True
+        assert rel_err(cos if pairs else to_half_layout(cos, rope), ref_cos) <= 1e-6, f"layer {i}: cos"
+        assert rel_err(sin if pairs else to_half_layout(sin, rope), ref_sin) <= 1e-6, f"layer {i}: sin"
     return r.num_layers
 
 

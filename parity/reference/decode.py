@@ -23,6 +23,7 @@ from parity.checkpoint import Checkpoint
 from parity.checkpoint.lengths import MIN_LENGTH, thresholds
 from parity.errors import ParityError
 from parity.reference.models import Models, cached_forward, first_device, hf_runner
+from parity.rope import LENGTH_DEPENDENT
 
 # the prompt's floor when decoding: enough positions for the prefill to mean something
 MIN_PROMPT = 4
@@ -61,14 +62,28 @@ def uncached_steps(models: Models, ckpt: Checkpoint, ids: torch.Tensor, tokens: 
     """The reference's truth for each decode step: one forward over the prompt and the tokens, without a cache;
     point -> [1, N, width], step k at index k - 1 (position S + k - 1). ``arithmetic``: as for hf_runner."""
     full = torch.cat([ids, torch.tensor([tokens])], dim=1)
-    captured: dict[str, torch.Tensor] = {}
-    run = hf_runner(models, ckpt, torch.float32, full, points=points, arithmetic=arithmetic)
-    run(lambda name, t: captured.setdefault(name, t))
-    missing = sorted(points - set(captured))
-    if missing:
-        raise ParityError(f"{ckpt.path}: the reference never produced {', '.join(missing)}; fix the adapter's "
-                          f"capture map")
-    return {name: t[:, ids.shape[1]:] for name, t in captured.items()}
+    # RoPE whose frequencies follow the length (LongRoPE, dynamic): one forward over the whole sequence would
+    # rotate the early steps with the final length's table, so each step gets the forward over its own prefix
+    ends = [ids.shape[1] + k for k in range(1, len(tokens) + 1)] if by_length(ckpt) else [full.shape[1]]
+    steps: dict[str, list[torch.Tensor]] = {}
+    for end in ends:
+        captured: dict[str, torch.Tensor] = {}
+        run = hf_runner(models, ckpt, torch.float32, full[:, :end], points=points, arithmetic=arithmetic)
+        run(lambda name, t: captured.setdefault(name, t))
+        missing = sorted(points - set(captured))
+        if missing:
+            raise ParityError(f"{ckpt.path}: the reference never produced {', '.join(missing)}; fix the adapter's "
+                              f"capture map")
+        for name, t in captured.items():
+            steps.setdefault(name, []).append(t[:, max(ids.shape[1], end - 1) if len(ends) > 1 else ids.shape[1]:])
+    return {name: torch.cat(parts, dim=1) for name, parts in steps.items()}
+
+
+def by_length(ckpt: Checkpoint) -> bool:
+    """Whether a layer's RoPE frequencies depend on the sequence's length."""
+    r = ckpt.resolved
+    return r["positions.kind"] == "rope" and any(
+        (r.layer("positions.rope_scaling", i) or {}).get("rope_type") in LENGTH_DEPENDENT for i in range(r.num_layers))
 
 
 def greedy(models: Models, ckpt: Checkpoint, ids: torch.Tensor, n: int) -> list[int]:

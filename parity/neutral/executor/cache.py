@@ -44,6 +44,13 @@ class KVCache:
         self.num_layers, self.evict = num_layers, evict
         self.slots: dict[int, tuple[Tensor, Tensor]] = {}
         self.length = 0
+        # where RoPE follows the length: the ids seen and the tables the cached keys were rotated with
+        self.ids: Tensor | None = None
+        self.tables: list[Tensor] | None = None
+
+    def reset(self) -> None:
+        """Forget everything seen (a prefix run again from its start)."""
+        self.slots, self.length, self.ids, self.tables = {}, 0, None, None
 
     @property
     def decoding(self) -> bool:

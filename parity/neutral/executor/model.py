@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from parity.neutral.executor import rope as rope_fn
 from parity.neutral.executor.cache import KVCache
 from parity.neutral.executor.ops import ACTIVATIONS, LayerOps, glu, norm, row_order, softcap
+from parity.rope import inv_freq
 
 OnPoint = Callable[[str, torch.Tensor], None]
 
@@ -326,6 +327,37 @@ class NeutralModel:
         bug was injected)."""
         return KVCache(self.m["num_layers"], self.m.get("kv_cache"))
 
+    def _length_tables(self, cache: KVCache, ids: torch.Tensor) -> bool:
+        """Keep the ids a cache has seen where a layer's RoPE frequencies follow the length (LongRoPE, dynamic);
+        True where this step's length changes them, so that the cached keys no longer hold."""
+        ropes = [layer["attention"]["rope"] for layer in self.m["layers"]
+                 if rope_fn.by_length(layer["attention"]["rope"])]
+        if not ropes:
+            return False
+        tables = [inv_freq(rope, cache.length + ids.shape[1])[0] for rope in ropes]
+        if cache.decoding and cache.tables is not None and not all(map(torch.equal, tables, cache.tables)):
+            return True
+        cache.tables = tables
+        cache.ids = ids if cache.ids is None else torch.cat([cache.ids, ids], dim=1)
+        return False
+
+    def _prefill_again(self, ids, emit, token_types, feed, layers, cache: KVCache, ops: bool) -> torch.Tensor:
+        """A decode step whose length changes the RoPE tables: the whole prefix again with a fresh cache, as
+        transformers' generate does for Phi-3's LongRoPE (Phi3ForCausalLM.prepare_inputs_for_generation); only the
+        step's own positions are emitted and returned."""
+        s = ids.shape[1]
+        seen = torch.cat([cache.ids, ids], dim=1)
+        cache.reset()
+
+        def last(t: torch.Tensor) -> torch.Tensor:
+            return t[:, -s:] if t.dim() > 1 and t.shape[1] == seen.shape[1] else t
+
+        def tail_feed(i: int, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x[:, :-s], feed(i, x[:, -s:])], dim=1)
+
+        out = self(seen, lambda name, t: emit(name, last(t)), token_types, tail_feed, layers, cache, ops)
+        return last(out)
+
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, on_point: OnPoint | None = None, token_types: torch.Tensor | None = None,
                  feed: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
@@ -340,6 +372,8 @@ class NeutralModel:
         emit = on_point or (lambda name, t: None)
         feed = feed or (lambda i, x: x)
         ids = (ids if ids.dim() == 2 else ids[None]).to(self.device)
+        if cache is not None and self._length_tables(cache, ids):
+            return self._prefill_again(ids, emit, token_types, feed, layers, cache, ops)
         positions = (torch.arange(ids.shape[1], device=self.device) if cache is None
                      else cache.positions(ids.shape[1], self.device))
         x = self.embed(ids, positions, token_types)

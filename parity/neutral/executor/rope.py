@@ -17,6 +17,11 @@ from parity.rope import LENGTH_DEPENDENT, inv_freq
 # Tables and rotation
 
 
+def by_length(rope: dict | None) -> bool:
+    """Whether this rope's frequencies depend on the sequence's length ("dynamic", "longrope")."""
+    return rope is not None and (rope.get("scaling") or {}).get("rope_type") in LENGTH_DEPENDENT
+
+
 def cos_sin(rope: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position's angles, float32 [S, r], already times the attention factor.
 
@@ -24,8 +29,7 @@ def cos_sin(rope: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     "interleaved" repeats each one for its adjacent pair (a0, a0, a1, a1, ...).
     """
     # only "dynamic" and "longrope" read the length (from the data: an exported graph cannot, see onnx_export.py)
-    by_length = (rope.get("scaling") or {}).get("rope_type") in LENGTH_DEPENDENT
-    seq_len = int(positions.max()) + 1 if by_length and positions.numel() else None
+    seq_len = int(positions.max()) + 1 if by_length(rope) and positions.numel() else None
     inv, attention = inv_freq(rope, seq_len)
     angles = positions[:, None].float() * inv[None, :].to(positions.device)     # [S, r/2]
     if rope["style"] == "half":
