@@ -40,6 +40,7 @@ RELEASED = {
     "gpt2": {"n_inner": None, "scale_attn_by_inverse_layer_idx": False},
     "gpt_neox": {"intermediate_size": 256},  # mlx-lm's MLP is 4 x hidden, as every Pythia's
     "phi": {"qk_layernorm": False},  # mlx-lm's Phi has no q/k LayerNorms (released Phis: none)
+    "phi3": {"sliding_window": None},  # mlx-lm's Phi-3 attends globally
 }
 # model types whose mlx-lm ModelArgs read transformers 5's nested rope_parameters (the others read the top-level
 # rope_theta / rope_scaling that released checkpoints' configs hold, and default to their own theta without them)
@@ -64,6 +65,8 @@ def hub_config(config: dict) -> dict:
             config["rotary_emb_base"], config["rotary_pct"] = config["rope_theta"], config["partial_rotary_factor"]
         if rope.get("rope_type", "default") != "default":
             config["rope_scaling"] = rope
+            if rope["rope_type"] == "longrope":  # Phi-3's hub configs spell it `type` (mlx-lm requires that)
+                rope["type"] = rope["rope_type"]
     if config.get("per_layer_config"):
         wide = next(iter(config["per_layer_config"].values()))
         config["global_head_dim"], config["num_global_key_value_heads"] = wide["head_dim"], wide["num_key_value_heads"]
@@ -133,7 +136,7 @@ def _check(reference, candidate, report: Path, *extra):
 def test_the_families_mlx_runs():
     assert MLX_FAMILIES == ["cohere", "cohere2", "deepseek_v3", "gemma", "gemma2", "gemma3", "gemma4", "gpt2",
                             "gpt_neox", "granite", "llama", "mistral", "mixtral", "olmo2", "olmo3", "olmoe", "phi",
-                            "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "stablelm"]
+                            "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "stablelm"]
 
 
 # Gemma (1): mlx-lm's MLP uses the exact GELU where transformers uses the tanh one (FINDINGS): 1.9e-4 on the tiny

@@ -29,8 +29,16 @@ def cos_sin(rope: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     "interleaved" repeats each one for its adjacent pair (a0, a0, a1, a1, ...).
     """
     # only "dynamic" and "longrope" read the length (from the data: an exported graph cannot, see onnx_export.py)
-    seq_len = int(positions.max()) + 1 if by_length(rope) and positions.numel() else None
-    inv, attention = inv_freq(rope, seq_len)
+    scaling = rope.get("scaling") or {}
+    if scaling.get("rope_type") == "longrope" and positions.numel():
+        # the factor set by the length, chosen with tensor ops (an exported graph keeps the choice, not its result)
+        old_len = scaling.get("original_max_position_embeddings", rope["max_positions"])
+        short, attention = inv_freq(rope, None)
+        long, _ = inv_freq(rope, old_len + 1)
+        inv = torch.where(positions.max() + 1 > old_len, long.to(positions.device), short.to(positions.device))
+    else:
+        seq_len = int(positions.max()) + 1 if by_length(rope) and positions.numel() else None
+        inv, attention = inv_freq(rope, seq_len)
     angles = positions[:, None].float() * inv[None, :].to(positions.device)     # [S, r/2]
     if rope["style"] == "half":
         angles = torch.cat((angles, angles), dim=-1)                             # [S, r]

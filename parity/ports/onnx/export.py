@@ -97,13 +97,15 @@ class _Exportable(torch.nn.Module):
         return (out, *(seen[p] for p in self.points), *presents)
 
 
-def _length_dependent_rope(manifest: dict) -> str | None:
+def _length_dependent_rope(manifest: dict, kv_cache: bool) -> str | None:
+    """The RoPE scaling an export cannot carry: "dynamic" (its frequencies are a function of the length), and
+    LongRoPE with a cache (its keys would keep the short factors once the length passes the threshold)."""
     from parity.rope import LENGTH_DEPENDENT
 
     for layer in manifest["layers"]:
         rope = layer["attention"]["rope"]
         kind = ((rope or {}).get("scaling") or {}).get("rope_type")
-        if kind in LENGTH_DEPENDENT:
+        if kind in LENGTH_DEPENDENT and (kind != "longrope" or kv_cache):
             return kind
     return None
 
@@ -146,10 +148,11 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
 
     with atomic.output_file(out, force=force) as tmp:
         manifest = convert(path, tmp / "neutral", dtype=dtype, adapter_dirs=adapter_dirs)
-        kind = _length_dependent_rope(manifest)
+        kind = _length_dependent_rope(manifest, kv_cache)
         if kind is not None:
             raise ParityError(f"{path}: RoPE scaling {kind!r} depends on the prompt length, which an exported "
-                              f"graph cannot branch on; not exportable to ONNX yet")
+                              f"graph{' with a KV cache' if kv_cache else ''} cannot follow; not exportable to ONNX "
+                              f"yet{' (export it without --kv-cache)' if kv_cache else ''}")
         torch_dtype = getattr(torch, dtype)
         output = "logits" if manifest["head"] is not None else "last_hidden_state"
         if kv_cache and (manifest["head"] is None or not all(l["attention"]["causal"] for l in manifest["layers"])):
