@@ -36,6 +36,13 @@ def test_decode_32_passes_with_the_executor_and_transformers_caches(family, tiny
     for candidate in (neutral_dir(family), tiny_dir(family)):
         report = check(tiny_dir(family), candidate, layerwise=True, decode=32)
         steps = _steps(report)
+        longrope = [c for c in report.decode["crossed"] if c["what"].startswith("rope longrope")]
+        if candidate == tiny_dir(family) and longrope and longrope[0]["crossed"] == "decode":
+            # transformers' own cache keeps the keys it rotated with the short factors once the length passes the
+            # threshold (its generate runs the prefix again instead): it fails at the first step past it
+            assert report.verdict == "fail"
+            assert report.first_divergence.step == longrope[0]["at"] + 1 - prompt_length(ckpt, 32)
+            continue
         assert report.verdict == "pass", (candidate, report.first_divergence)
         assert {p.step for p in steps} == set(range(1, 33))
         assert len(steps) == 32 * len(ckpt.resolved.capture) and all(p.compared for p in steps)
@@ -266,8 +273,14 @@ def cached_onnx(tiny_dir, tmp_path_factory):
 @pytest.mark.parametrize("family", DECODERS)
 def test_decode_32_passes_with_parity_own_onnx_export_with_cache(family, tiny_dir, cached_onnx):
     """The graph takes past_key_values.* and returns present.*; parity feeds each step the cache the step before
-    returned, by name. Every point of every step is a debug output, so all are compared."""
-    report = check(tiny_dir(family), cached_onnx(family), layerwise=True, decode=32)
+    returned, by name. Every point of every step is a debug output, so all are compared. LongRoPE (phi3) is
+    refused: its cached keys would keep the short factors once decoding passes the threshold."""
+    try:
+        exported = cached_onnx(family)
+    except ParityError as exc:
+        assert "'longrope'" in str(exc) and "without --kv-cache" in str(exc), str(exc)
+        return
+    report = check(tiny_dir(family), exported, layerwise=True, decode=32)
     steps = _steps(report)
     assert report.verdict == "pass", report.first_divergence
     assert len(steps) == 32 * len(open_checkpoint(tiny_dir(family)).resolved.capture)
