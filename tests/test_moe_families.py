@@ -29,7 +29,7 @@ from parity.neutral.manifest import load
 from parity.reference.capture import run_and_capture
 from tests.conftest import ADAPTERS, FIXTURES, real_config
 
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe", "llama4"]
 # the families whose checkpoints store each expert's gate, up and down apart (gpt_oss stores them stacked, gate and
 # up interleaved in one gate_up_proj)
 PER_EXPERT = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
@@ -44,6 +44,7 @@ ON_DISK = {
     "mixtral": {"gate": "block_sparse_moe.experts.{e}.w1.weight", "up": "block_sparse_moe.experts.{e}.w3.weight",
                 "down": "block_sparse_moe.experts.{e}.w2.weight", "router": "block_sparse_moe.gate.weight"},
     "gpt_oss": {"router": "mlp.router.weight"},
+    "llama4": {"router": "feed_forward.router.weight"},
     "qwen2_moe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
                   "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
     "olmoe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
@@ -256,6 +257,29 @@ def test_the_gpt_oss_moe_block_matches_transformers_in_bfloat16(tiny_dir, neutra
                 assert rel_l2(moe(x, x, w, {**spec, **broken}), ref) > 1e-2, broken
 
 
+def test_the_llama4_moe_block_matches_transformers_bit_for_bit_in_bfloat16(tiny_dir, neutral_dir):
+    """Llama 4's top-1 sigmoid router scales each chosen expert's input (experts(x * w)), and its shared expert is
+    added: bit for bit in bf16. Weighting the experts' outputs instead (as every other MoE family does) is not."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir("llama4"), dtype=torch.bfloat16).eval()
+    manifest, tensors = load(neutral_dir("llama4"))
+    torch.manual_seed(0)
+    x = torch.randn(256, manifest["hidden_size"]).to(torch.bfloat16)
+    moe_layers = [i for i, layer in enumerate(manifest["layers"]) if layer["mlp"]["moe"] is not None]
+    assert moe_layers == [1, 3]  # interleave_moe_layer_step 2
+    for i in moe_layers:
+        spec = manifest["layers"][i]["mlp"]["moe"]
+        w = {k.removeprefix(f"layers.{i}."): v.to(torch.bfloat16) for k, v in tensors.items()
+             if k.startswith(f"layers.{i}.")}
+        with torch.no_grad():
+            ref = model.model.layers[i].feed_forward(x[None])[0]        # [T, D]: the block flattens the tokens
+            ours = moe(x, x, w, spec)
+            on_output = moe(x, x, w, {**spec, "weights_input": False})
+        assert spec["routing"] == "topk_sigmoid" and spec["top_k"] == 1 and spec["shared_experts"] == 1
+        assert torch.equal(ours, ref), (i, rel_l2(ours, ref))
+        assert rel_l2(on_output, ref) > 0.05
+        assert route(x, w, spec)[1].unique().numel() == spec["experts"]
+
+
 # --------------------------------------------------------------------------------------------
 # A router mistake is caught where it happens
 
@@ -313,7 +337,8 @@ def test_saved_without_the_model_prefix_and_streamed(family, tiny_dir, tmp_path)
     save_file({k.removeprefix("model."): v for k, v in tensors.items()}, path / "model.safetensors",
               metadata={"format": "pt"})
     ckpt = open_checkpoint(path)
-    assert ckpt.check().ok and f"layers.0.{ON_DISK[family]['router']}" in ckpt.tensors
+    first = _moe_layers(ckpt.resolved)[0]
+    assert ckpt.check().ok and f"layers.{first}.{ON_DISK[family]['router']}" in ckpt.tensors
     convert(path, tmp_path / "n")
     report = parity.check(path, tmp_path / "n", layerwise=True, stream=True)
     assert report.verdict == "pass" and max(p.rel_l2 for p in report.points) < 1e-5

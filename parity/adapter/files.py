@@ -195,12 +195,17 @@ def _remove(path: Path, base: dict, remove: Any) -> dict:
 
 
 def _merge_entries(path: Path, key: str, base: list, child: Any) -> list:
-    """A KEYED array: entries matched by ``hf`` replace the base's in place, new ones follow the one before."""
+    """A KEYED array: entries matched by ``hf`` replace the base's in place, new ones follow the one before. Two
+    entries of the child may share an ``hf`` (one module serving two norms: Llama 4's qk_norm, for q and for k)."""
     if not isinstance(child, list) or not all(isinstance(e, dict) for e in child):
         raise _fail(path, key, f"must be an array of tables ([[{key}]])")
     out = list(base)
+    mine: list[int] = []  # ids of the child's entries, which a later entry of the child does not replace
 
     def index(hf: Any) -> int | None:
+        return next((n for n, e in enumerate(out) if e.get("hf") == hf and id(e) not in mine), None)
+
+    def anchor_index(hf: Any) -> int | None:
         return next((n for n, e in enumerate(out) if e.get("hf") == hf), None)
 
     cursor = None  # where the next new entry goes: right after the previous entry of the child
@@ -218,7 +223,7 @@ def _merge_entries(path: Path, key: str, base: list, child: Any) -> list:
                 raise _fail(path, f"{key}[{k}]", "an entry cannot be placed next to itself")
             if at is not None:
                 del out[at]
-            anchor = index(after if after is not None else before)
+            anchor = anchor_index(after if after is not None else before)
             if anchor is None:
                 raise _fail(path, f"{key}[{k}].{'after' if after is not None else 'before'}",
                             f"no {key} entry of the base (or listed before this one) has hf {after or before!r}")
@@ -232,6 +237,7 @@ def _merge_entries(path: Path, key: str, base: list, child: Any) -> list:
         else:
             at = cursor
             out.insert(at, entry)
+        mine.append(id(entry))
         cursor = at + 1
     return out
 

@@ -63,7 +63,7 @@ CHOICES: dict[str, tuple] = {
     "positions.rope_style": ("half", "interleaved", "none"),
     "positions.rope_dtype": ("model", "float32"),
     "mlp.activation": ("gelu_exact", "gelu_tanh", "silu", "relu"),
-    "mlp.moe_routing": ("none", "softmax", "sigmoid", "topk_softmax"),
+    "mlp.moe_routing": ("none", "softmax", "sigmoid", "topk_softmax", "topk_sigmoid"),
     "mlp.moe_router_dtype": ("float32", "model"),
     "mlp.moe_weights_dtype": ("float32", "model"),
     "embedding.scale_dtype": ("model", "float32"),
@@ -73,7 +73,8 @@ CHOICES: dict[str, tuple] = {
 # Optional numbers (a softcap, a window, an MLA rank): ``false`` in an adapter, or null/absent in
 # a config, means the model does not have the feature; resolved as None.
 OPTIONAL = frozenset({
-    "attention.softcap", "attention.sliding_window", "attention.kv_shared_from", "attention.q_lora_rank",
+    "attention.softcap", "attention.sliding_window", "attention.chunk_size", "attention.temperature_floor",
+    "attention.kv_shared_from", "attention.q_lora_rank",
     "attention.kv_lora_rank", "attention.qk_nope_head_dim", "attention.qk_rope_head_dim", "attention.v_head_dim",
     "mlp.experts", "mlp.experts_per_token", "mlp.shared_experts", "mlp.moe_intermediate_size",
     "mlp.moe_shared_intermediate_size",
@@ -133,10 +134,18 @@ class AttentionConvention(_Strict):
     fused_qkv: Value = False
     qk_norm: Value = "none"
     qk_norm_weight: Value = "weight"
+    qk_norm_after_rope: Value = False   # the QK-Norm reads the rotated q/k (Llama 4's L2 norm), not the projections
     v_norm: Value = "none"
     scale: Value
     softcap: Value = False
     sliding_window: Value = False
+    # per layer: key j is visible from query i only within i's chunk (i // chunk_size == j // chunk_size), besides
+    # causality (Llama 4's chunked attention); none: no chunks
+    chunk_size: Value = False
+    # per layer: the queries are multiplied by log1p(floor((position + 1) / temperature_floor)) * temperature_scale
+    # + 1, in float32, before attention (Llama 4's attention temperature tuning on its NoPE layers); none: not scaled
+    temperature_floor: Value = False
+    temperature_scale: Value = 0.1
     k_eq_v: Value = False
     kv_shared_from: Value = False
     q_lora_rank: Value = False
@@ -195,6 +204,8 @@ class MLPConvention(_Strict):
     # as DeepSeek-V3, Gemma 4 and Mixtral leave them), or "model" (cast to the model dtype first, as
     # Qwen3MoeTopKRouter does). Only a low-precision run can tell; absent means "float32".
     moe_weights_dtype: Value = "float32"
+    # the routing weights multiply each chosen expert's input rather than its output (Llama 4: experts(x * w))
+    moe_weights_input: Value = False
     # The gated unit's arithmetic beyond act(gate) * up (GPT-OSS's clamped SwiGLU, dense MLP and experts alike):
     # gate clamped to at most glu_limit and up to [-glu_limit, glu_limit] (none: no clamp); the activation read
     # at glu_alpha * gate and divided by it (silu: gate * sigmoid(glu_alpha * gate)); up + glu_up_offset.

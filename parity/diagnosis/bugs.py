@@ -155,6 +155,16 @@ def _qk_per_head(m: dict, t: Tensors) -> None:
                     t[name] = t[name].reshape(heads, att["head_dim"])
 
 
+def _qk_across_heads(m: dict, t: Tensors) -> None:
+    for i, att in _attention(m):
+        if att["qk_norm"] == "per_head":
+            att["qk_norm"] = "full_width"  # statistics over every head at once; per-head weights repeated per head
+            for key, heads in (("q_norm", att["heads"]), ("k_norm", att["kv_heads"])):
+                for name in (f"layers.{i}.attn.{key}.weight", f"layers.{i}.attn.{key}.bias"):
+                    if name in t:
+                        t[name] = t[name].repeat(heads)
+
+
 def _v_dropped(m: dict, t: Tensors) -> None:
     for _, att in _attention(m):
         att["v_norm"] = None
@@ -313,6 +323,25 @@ def _window_ignored(m: dict, t: Tensors) -> None:
         att["sliding_window"] = None
 
 
+def _chunks_ignored(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["chunk_size"] = None
+
+
+def _temperature_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["temperature"] = None
+
+
+def _moes(m: dict) -> list[dict]:
+    return [layer["mlp"]["moe"] for layer in m["layers"] if layer["mlp"]["moe"] is not None]
+
+
+def _weights_moved(m: dict, t: Tensors) -> None:
+    for moe in _moes(m):
+        moe["weights_input"] = not moe.get("weights_input", False)
+
+
 def _qkv_bias_dropped(m: dict, t: Tensors) -> None:
     for name in [n for n in t if n.startswith("layers.") and n.split(".", 2)[2] in
                  ("attn.q.bias", "attn.k.bias", "attn.v.bias", "attn.q_a.bias", "attn.kv_a.bias")]:
@@ -401,6 +430,12 @@ CATALOG: list[Bug] = [
         "the q/k norms taken per head instead of over the full projection width", "subtle",
         "ggml-org/llama.cpp PR #12400; vllm-project/vllm-metal #692",
         lambda m: _has(m, lambda a: a["qk_norm"] == "full_width"), _qk_per_head, op="attn.q_norm"),
+    Bug("qk-norm-across-heads", "a per-head QK-norm taken over all heads at once (the full q/k width)",
+        "the q/k norms taken over all heads instead of per head", "subtle",
+        "vllm-project/vllm PR #16311",
+        lambda m: _has(m, lambda a: a["qk_norm"] == "per_head"), _qk_across_heads, op="attn.q_norm",
+        # a norm after RoPE (Llama 4) first shows in the rotated queries, where a side reads no norm of its own
+        also=("attn.q_rope",)),
     Bug("v-norm-dropped", "v norm skipped", "attention without its v-norm", "subtle",
         "no public instance found",
         lambda m: _has(m, lambda a: a["v_norm"] is not None), _v_dropped, op="attn.context"),
@@ -442,6 +477,14 @@ CATALOG: list[Bug] = [
         "sliding-window layers attending globally", "degrades on long prompts",
         "vllm-project/vllm PR #5908, #2064; ggml-org/llama.cpp #3371, #3377, PR #8227; sgl-project/sglang PR #4823",
         lambda m: _has(m, lambda a: bool(a["sliding_window"])), _window_ignored, op="attn.scores"),
+    Bug("chunked-attention-as-full", "chunked-attention layers attend to every earlier key, across chunks",
+        "chunked-attention layers attending across their chunks", "degrades on long prompts",
+        "no public instance found",
+        lambda m: _has(m, lambda a: bool(a.get("chunk_size"))), _chunks_ignored, op="attn.scores"),
+    Bug("attention-temperature-dropped", "the queries of the tuned layers not scaled by log1p(floor((position + 1) "
+        "/ floor_scale)) * attn_scale + 1", "attention without its temperature tuning", "degrades on long prompts",
+        "no public instance found",
+        lambda m: _has(m, lambda a: bool(a.get("temperature"))), _temperature_dropped, op="attn.q_rope"),
     Bug("qkv-bias-dropped", "q/k/v biases skipped", "attention without its q/k/v biases", "garbage at once",
         "EricLBuehler/candle-vllm #167",
         lambda m: any(n.split(".", 2)[2] in ("attn.q.bias", "attn.k.bias", "attn.v.bias", "attn.q_a.bias",
@@ -492,6 +535,14 @@ CATALOG: list[Bug] = [
         "(sigmoid(shared_expert_gate(x)))", "the MoE block with its shared expert ungated", "garbage at once",
         "no public instance found",
         lambda m: bool(_shared_gated(m)), _shared_gate_dropped, op="mlp_out"),
+    Bug("moe-weights-on-output", "routing weights multiplied into the experts' outputs where the family scales "
+        "their input (experts(x * w))", "the MoE block weighting its experts' outputs instead of their input",
+        "subtle", "no public instance found",
+        lambda m: any(moe.get("weights_input") for moe in _moes(m)), _weights_moved, op="mlp_out"),
+    Bug("moe-weights-on-input", "routing weights multiplied into the experts' input where the family weighs "
+        "their outputs", "the MoE block scaling its experts' input instead of weighting their outputs",
+        "garbage at once", "no public instance found",
+        lambda m: any(not moe.get("weights_input") for moe in _moes(m)), _weights_moved, op="mlp_out"),
     # KV-cache mistakes: the prefill is right, decode steps are not
     Bug("decode-position-offset", "decode steps placed one position late (the new token counted twice)",
         "decode steps at positions shifted by one", "decode only", "no public instance found",

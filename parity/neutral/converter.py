@@ -96,7 +96,11 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
         "softcap": at("attention.softcap"),
         "causal": bool(at("attention.causal")),
         "sliding_window": at("attention.sliding_window"),
+        "chunk_size": at("attention.chunk_size"),  # keys visible only within the query's chunk (Llama 4)
+        "temperature": None if at("attention.temperature_floor") is None else {  # queries scaled by position
+            "floor": at("attention.temperature_floor"), "scale": float(at("attention.temperature_scale"))},
         "qk_norm": at("attention.qk_norm"),
+        "qk_norm_after_rope": bool(at("attention.qk_norm_after_rope")),
         "q_norm": norm("attn.q_norm"),
         "k_norm": norm("attn.k_norm"),
         "v_norm": norm("attn.v_norm"),
@@ -149,6 +153,7 @@ def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
             "router_input_scale": at("mlp.moe_router_input_scale"),
             "router_dtype": at("mlp.moe_router_dtype"),
             "weights_dtype": at("mlp.moe_weights_dtype"),  # where the routing weights multiply the experts' outputs
+            "weights_input": bool(at("mlp.moe_weights_input")),  # they multiply the experts' input instead
             **glu,  # the experts' gated units
             "expert_norm": norm("moe_norm"),
             "expert_post_norm": norm("moe_post_norm"),

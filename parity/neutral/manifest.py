@@ -75,6 +75,11 @@ class _MlaSpec(StrictSpec):
     kv_a_norm: _Norm
 
 
+class _Temperature(StrictSpec):
+    floor: _Pos
+    scale: _Num
+
+
 class _AttentionSpec(StrictSpec):
     kind: Literal["mha", "mla"]
     heads: _Pos
@@ -84,7 +89,10 @@ class _AttentionSpec(StrictSpec):
     softcap: Optional[_PosNum]
     causal: bool
     sliding_window: Optional[_Count]
+    chunk_size: Optional[_Pos] = None
+    temperature: Optional[_Temperature] = None
     qk_norm: Literal["none", "per_head", "full_width"]
+    qk_norm_after_rope: bool = False
     q_norm: _Norm
     k_norm: _Norm
     v_norm: _Norm
@@ -96,7 +104,7 @@ class _AttentionSpec(StrictSpec):
 
 
 class _MoeSpec(StrictSpec):
-    routing: Literal["softmax", "sigmoid", "topk_softmax"]
+    routing: Literal["softmax", "sigmoid", "topk_softmax", "topk_sigmoid"]
     experts: _Pos
     top_k: _Pos
     groups: Optional[_Pos] = None
@@ -112,6 +120,7 @@ class _MoeSpec(StrictSpec):
     router_input_scale: Optional[_Num] = None
     router_dtype: Literal["float32", "model"]
     weights_dtype: Literal["float32", "model"] = "float32"
+    weights_input: bool = False
     expert_norm: _Norm
     expert_post_norm: _Norm
     dense_post_norm: _Norm

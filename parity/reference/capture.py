@@ -78,6 +78,12 @@ def op_layout(point: ResolvedCapture, t: torch.Tensor) -> torch.Tensor:
     return ops.flat(t)
 
 
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """A capture point read token-flattened, [T, D] (Llama 4's MoE block returns its output so), with its batch of
+    one back: [1, T, D] as every other point."""
+    return t.unsqueeze(0) if t.dim() == 2 else t
+
+
 def _module(model: torch.nn.Module, point: ResolvedCapture) -> torch.nn.Module | None:
     """The module a point is read at; None for an op whose module this layer lacks (a dense layer's router, a
     KV-shared layer's k_proj): that op is simply absent there. A capture point's is an adapter error."""
@@ -114,7 +120,7 @@ def hooks(model: torch.nn.Module, points: list[ResolvedCapture],
             else:
                 def post(mod, args, output, point=point, op=op):
                     value = _output_value(output, point.field).detach()
-                    on_point(point.name, op_layout(point, value) if op else value)
+                    on_point(point.name, op_layout(point, value) if op else _batched(value))
                 handles.append(module.register_forward_hook(post))
         with ExitStack() as stack:
             if attention:

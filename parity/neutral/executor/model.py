@@ -132,7 +132,8 @@ class NeutralModel:
 
     def mask(self, positions: torch.Tensor, t: int, att: dict) -> torch.Tensor:
         """Additive [S, T] mask of the queries at ``positions`` over ``t`` keys, the last of them at the last query's
-        position: causal and/or sliding window (key j visible from i when i - j < window)."""
+        position: causal and/or sliding window (key j visible from i when i - j < window), and/or chunked (key j
+        visible from i when both sit in the same chunk of ``chunk_size`` positions: Llama 4)."""
         s = positions.shape[0]
         i = positions[:, None]
         j = (positions[-1] + 1 - t + torch.arange(t, device=self.device))[None, :]
@@ -143,6 +144,9 @@ class NeutralModel:
             allowed &= (i - j) < att["sliding_window"]
             if not att["causal"]:
                 allowed &= (j - i) < att["sliding_window"]
+        if att.get("chunk_size"):
+            chunk = att["chunk_size"]
+            allowed &= torch.div(i, chunk, rounding_mode="floor") == torch.div(j, chunk, rounding_mode="floor")
         return torch.zeros(s, t, device=self.device).masked_fill(~allowed, float("-inf"))
 
     def attention(self, x: torch.Tensor, w: dict, att: dict, positions: torch.Tensor,
@@ -161,15 +165,23 @@ class NeutralModel:
                 op("attn.k", k)
                 if not att["k_eq_v"]:  # no value projection to read
                     op("attn.v", v)
-        q = self.qk_norm(q, w, att, "q", op).transpose(1, 2)                         # [B, H, S, Dh]
+        late = att.get("qk_norm_after_rope", False)  # Llama 4: the norm reads the rotated q/k
+        q = self.qk_norm(q, w, att, "q", op, not late).transpose(1, 2)              # [B, H, S, Dh]
         if own:
-            k = self.qk_norm(k, w, att, "k", op).transpose(1, 2)                     # [B, K, S, Dh]
+            k = self.qk_norm(k, w, att, "k", op, not late).transpose(1, 2)          # [B, K, S, Dh]
             v = self._norm(v.view(b, s, att["kv_heads"], att["head_dim"]), att["v_norm"], w, "attn.v_norm")
             v = v.transpose(1, 2)
         if att["rope"] is not None:
             cos_sin = rope_fn.cos_sin(att["rope"], positions)
             q = rope_fn.apply(q, *cos_sin, att["rope"])
             k = rope_fn.apply(k, *cos_sin, att["rope"]) if own else k
+        if late:
+            q = self.heads_norm(q, w, att, "q", op)
+            k = self.heads_norm(k, w, att, "k", op) if own else k
+        if att.get("temperature"):  # Llama 4's NoPE layers: each query scaled by its position, in float32
+            t = att["temperature"]
+            scale = torch.log1p(torch.floor((positions.float() + 1.0) / t["floor"])) * t["scale"] + 1.0   # [S]
+            q = (q * scale.view(1, 1, -1, 1)).to(q.dtype)
         if op is not None and self.m.get("rope_style") is not None:  # a NoPE layer hands q/k on unrotated
             op.heads("attn.q_rope", q)
             if own:
@@ -182,10 +194,12 @@ class NeutralModel:
             shared[i] = (k, v)  # a later layer reuses this layer's keys and values
         return linear(self.attend(q, k, v, att, positions, cache, op, w.get("attn.sinks")), w, "attn.o")
 
-    def qk_norm(self, x: torch.Tensor, w: dict, att: dict, which: str, op: LayerOps | None) -> torch.Tensor:
-        """q or k [B, S, n*Dh] -> [B, S, n, Dh] through its QK-Norm, full width or per head (if any)."""
+    def qk_norm(self, x: torch.Tensor, w: dict, att: dict, which: str, op: LayerOps | None,
+                apply: bool = True) -> torch.Tensor:
+        """q or k [B, S, n*Dh] -> [B, S, n, Dh] through its QK-Norm, full width or per head (if any, and ``apply``:
+        a norm after RoPE is heads_norm's)."""
         b, s, _ = x.shape
-        kind, name = att["qk_norm"], f"attn.{which}_norm"
+        kind, name = att["qk_norm"] if apply else "none", f"attn.{which}_norm"
         if kind == "full_width":
             x = self._norm(x, att[f"{which}_norm"], w, name)
         x = x.view(b, s, -1, att["head_dim"])
@@ -193,6 +207,21 @@ class NeutralModel:
             x = self._norm(x, att[f"{which}_norm"], w, name)
         if op is not None and kind != "none":
             op(name, x)
+        return x
+
+    def heads_norm(self, x: torch.Tensor, w: dict, att: dict, which: str, op: LayerOps | None) -> torch.Tensor:
+        """The QK-Norm of rotated q or k [B, n, S, Dh] (Llama 4's L2 norm, after RoPE), per head or full width."""
+        if att["qk_norm"] == "none":
+            return x
+        name = f"attn.{which}_norm"
+        if att["qk_norm"] == "full_width":  # over every head at once: [B, S, n*Dh]
+            b, n, s, dh = x.shape
+            wide = self._norm(x.transpose(1, 2).reshape(b, s, n * dh), att[f"{which}_norm"], w, name)
+            x = wide.view(b, s, n, dh).transpose(1, 2)
+        else:
+            x = self._norm(x, att[f"{which}_norm"], w, name)
+        if op is not None:
+            op.heads(name, x)
         return x
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, att: dict, positions: torch.Tensor,

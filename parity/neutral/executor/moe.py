@@ -22,6 +22,12 @@ Three routings exist (transformers 5 semantics, which these functions reproduce 
     logits = router input @ router.weight.T + router.bias in the model dtype; the top-k logits;
     weights = softmax over those k (they sum to 1: nothing to renormalise).
 
+``topk_sigmoid`` (Llama 4 ``Llama4Router``)
+    logits = router input @ router.weight.T in the model dtype; the top-k logits; weights = their sigmoid,
+    computed in float32 and cast to the model dtype (``weights_dtype`` "model"). With ``weights_input`` (Llama 4's
+    ``Llama4TextMoe``) each chosen expert reads ``x * weight`` (in the model dtype) and its output is summed
+    unweighted: a gated MLP is not linear, so this is not the same as weighting the outputs.
+
 Each expert is a gated MLP, its unit act(gate) * up as ``ops.glu`` computes it (GPT-OSS: clamped,
 ``(up + 1) * gate * sigmoid(1.702 * gate)``), with biases where the layer has them (added after the
 product is rounded, as transformers' grouped experts add them).
@@ -76,7 +82,10 @@ def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict,
     if spec.get("weights_dtype") == "model":
         weights = weights.to(expert_input.dtype)                  # Qwen3-MoE: weights rounded to the model dtype
     act = lambda gate, up: glu(gate, up, spec)  # noqa: E731 - act(gate) * up, with any clamps and offset
-    out = routed_experts(expert_input, weights, index, w, act, spec["experts"])  # [T, H] model dtype
+    if spec.get("weights_input"):  # Llama 4: experts(x * w), their outputs summed as they are
+        out = routed_experts(expert_input, weights, index, w, act, spec["experts"], on_input=True)
+    else:
+        out = routed_experts(expert_input, weights, index, w, act, spec["experts"])  # [T, H] model dtype
     if spec.get("shared_experts"):
         shared = gated_mlp(expert_input, w, "moe.shared", act)                # [T, H] model dtype
         if spec.get("shared_gate"):  # Qwen2-MoE: times sigmoid(x @ shared_gate.T) [T, 1], in the model dtype
@@ -100,8 +109,11 @@ def route(router_input: Tensor, w: dict, spec: dict,
     elif spec["routing"] == "topk_softmax":                       # GPT-OSS: the top-k logits, then their softmax
         chosen, index = logits.topk(spec["top_k"], dim=-1)        # [T, k]
         weights = torch.softmax(chosen, dim=-1)                   # [T, k] float32
+    elif spec["routing"] == "topk_sigmoid":                       # Llama 4: the top-k logits, then their sigmoid
+        chosen, index = logits.topk(spec["top_k"], dim=-1)        # [T, k]
+        weights = torch.sigmoid(chosen)                           # [T, k] float32
     else:
-        raise ValueError(f"unknown MoE routing {spec['routing']!r} (sigmoid, softmax or topk_softmax)")
+        raise ValueError(f"unknown MoE routing {spec['routing']!r} (sigmoid, softmax, topk_softmax or topk_sigmoid)")
     if spec.get("renormalise"):
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # DeepSeek's guard; 1e-20 vanishes in any real sum
     if "moe.router.expert_scale" in w:
@@ -146,9 +158,11 @@ def _sigmoid_choice(logits: Tensor, w: dict, spec: dict) -> tuple[Tensor, Tensor
     return scores.gather(1, index), index
 
 
-def routed_experts(x: Tensor, weights: Tensor, index: Tensor, w: dict, act, experts: int | None = None) -> Tensor:
+def routed_experts(x: Tensor, weights: Tensor, index: Tensor, w: dict, act, experts: int | None = None,
+                   on_input: bool = False) -> Tensor:
     """sum_j weights[t, j] * expert_{index[t, j]}(x[t]) [T, H]: products in the weights' dtype promoted with
-    x's (float32 weights: float32), sum in float32, cast to x.dtype.
+    x's (float32 weights: float32), sum in float32, cast to x.dtype. ``on_input``: sum_j expert(x[t] * weights[t, j])
+    instead, the product in x's dtype.
 
     Each chosen expert runs on the tokens that chose it. A graph being exported (torch.export, for
     ONNX) cannot branch on which experts were chosen: there every one of the ``experts`` runs on every
@@ -158,12 +172,20 @@ def routed_experts(x: Tensor, weights: Tensor, index: Tensor, w: dict, act, expe
     contrib = torch.zeros(T, k, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, k, H]
     if torch.compiler.is_exporting() and experts is not None:
         for e in range(experts):
-            y = gated_mlp(x, w, f"moe.experts.{e}", act)          # [T, H] model dtype
             chosen = (index == e)[..., None]                      # [T, k, 1]
-            contrib = torch.where(chosen, y[:, None, :] * weights[..., None], contrib)  # float32
+            if on_input:  # the expert's weight for each token (0 where it was not chosen) scales its input
+                scaled = x * (weights * chosen[..., 0]).sum(-1, keepdim=True).to(x.dtype)
+                y = gated_mlp(scaled, w, f"moe.experts.{e}", act)[:, None, :].float()   # [T, 1, H]
+            else:
+                y = gated_mlp(x, w, f"moe.experts.{e}", act)[:, None, :] * weights[..., None]  # [T, k, H]
+            contrib = torch.where(chosen, y, contrib)             # float32
         return contrib.sum(1).to(x.dtype)
     for e in index.unique().tolist():
         token, slot = (index == e).nonzero(as_tuple=True)
+        if on_input:
+            y = gated_mlp(x[token] * weights[token, slot, None].to(x.dtype), w, f"moe.experts.{e}", act)
+            contrib[token, slot] = y.float()
+            continue
         y = gated_mlp(x[token], w, f"moe.experts.{e}", act)       # [n, H] model dtype
         contrib[token, slot] = (y * weights[token, slot, None]).float()  # float32 (a model-dtype product widened)
     return contrib.sum(1).to(x.dtype)
