@@ -29,14 +29,14 @@ from parity.neutral.manifest import load
 from parity.reference.capture import run_and_capture
 from tests.conftest import ADAPTERS, FIXTURES, real_config
 
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe", "glm4_moe"]
 # the families whose checkpoints store each expert's gate, up and down apart (gpt_oss stores them stacked, gate and
 # up interleaved in one gate_up_proj)
-PER_EXPERT = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
+PER_EXPERT = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe"]
 PROMPT = torch.tensor([[(11 * k + 5) % 256 for k in range(48)]])
 # the MoE block as transformers names it in memory, and the first MoE layer of each tiny checkpoint
 BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock",
-          "qwen2_moe": "Qwen2MoeSparseMoeBlock"}
+          "qwen2_moe": "Qwen2MoeSparseMoeBlock", "glm4_moe": "Glm4MoeMoE"}
 # per-expert tensor names on disk (what the released checkpoints hold), by neutral expert tensor
 ON_DISK = {
     "qwen3_moe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
@@ -48,6 +48,8 @@ ON_DISK = {
                   "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
     "olmoe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
               "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
+    "glm4_moe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
+                 "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
 }
 
 
