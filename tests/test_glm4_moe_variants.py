@@ -22,7 +22,7 @@ from parity.reference.capture import run_and_capture
 from parity.reference.tiny import build_model
 from tests.conftest import ADAPTERS
 
-# GLM-4.5-Air's shape in its hub config.json's spelling, cut to 4 layers and a small width: RoPE at the top level
+# A GLM-4.5-style hub config.json (the released spelling), cut to 4 layers and a small width: RoPE at the top level
 # (rope_scaling null, partial_rotary_factor 0.5), head_dim 128 (not 4096 // 96), MTP layer count
 HUB = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
        "first_k_dense_replace": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 256,
