@@ -16,8 +16,9 @@ from tests.conftest import FIXTURES
 # Every built-in family's data, dumped with the code before adapters could extend one another.
 RESOLVED = json.loads((FIXTURES / "resolved_adapters.json").read_text())
 SCHEMA_HINT = "unknown key (check its spelling against the schema in parity/adapter/schema.py)"
-KNOWN = ("bert, cohere, cohere2, deepseek_v3, gemma, gemma2, gemma3, gemma4, gpt2, gpt_neox, gpt_oss, granite, llama, "
-         "llama4, mistral, mixtral, olmo2, olmo3, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm")
+KNOWN = ("bert, cohere, cohere2, deepseek_v3, gemma, gemma2, gemma3, gemma4, glm4_moe, gpt2, gpt_neox, gpt_oss, "
+         "granite, llama, llama4, mistral, mixtral, olmo2, olmo3, olmoe, phi, phi3, qwen2, qwen2_moe, qwen3, "
+         "qwen3_moe, smollm3, stablelm")
 
 
 def run(*args, env: dict | None = None):

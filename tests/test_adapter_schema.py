@@ -18,9 +18,9 @@ from parity.errors import ParityError
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = (ROOT / "adapters" / "llama.toml").read_text()
-FAMILIES = ["bert", "cohere", "cohere2", "deepseek_v3", "gemma", "gemma2", "gemma3", "gemma4", "gpt2", "gpt_neox",
-            "gpt_oss", "granite", "llama", "llama4", "mistral", "mixtral", "olmo2", "olmo3", "olmoe", "phi", "phi3",
-            "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "stablelm"]
+FAMILIES = ["bert", "cohere", "cohere2", "deepseek_v3", "gemma", "gemma2", "gemma3", "gemma4", "glm4_moe", "gpt2",
+            "gpt_neox", "gpt_oss", "granite", "llama", "llama4", "mistral", "mixtral", "olmo2", "olmo3", "olmoe", "phi",
+            "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "stablelm"]
 
 
 def test_every_family_ships_and_validates():

@@ -89,7 +89,7 @@ def test_bad_config_is_one_line_exit_2(tmp_path, content, expected):
 def test_adapters_table_lists_every_family():
     result = run("adapters", "--json")
     rows = json.loads(result.output)
-    assert len(rows) == 27
+    assert len(rows) == 28
     by_family = {r["family"]: r for r in rows}
     assert by_family["gemma2"]["weight"] == "1 + w"
     assert by_family["gemma4"]["weight"] == "w"

@@ -51,7 +51,7 @@ READS_ROPE_PARAMETERS = {"qwen3", "gemma4_text"}
 def hub_config(config: dict) -> dict:
     """A config saved by transformers 5 written as released checkpoints on the hub state it (what mlx-lm reads):
     RoPE at the top level (Gemma 3's local base as rope_local_base_freq), Gemma 4's global head size and kv heads,
-    Qwen3-MoE's num_experts, GPT-2's n_ctx."""
+    Qwen3-MoE's num_experts, GPT-2's n_ctx, GLM-4.5's null rope_scaling."""
     rope = config.get("rope_parameters")
     if rope and config["model_type"] not in READS_ROPE_PARAMETERS:
         config.pop("rope_parameters")
@@ -60,7 +60,7 @@ def hub_config(config: dict) -> dict:
             rope = rope["full_attention"]
         rope = dict(rope)
         config["rope_theta"] = rope.pop("rope_theta")
-        if "partial_rotary_factor" in rope:  # Phi's and Pythia's configs hold it at the top level
+        if "partial_rotary_factor" in rope:  # Phi's, Pythia's and GLM-4.5's configs hold it at the top level
             config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
         if config["model_type"] == "gpt_neox":  # Pythia's config.json spells them so (mlx-lm requires them)
             config["rotary_emb_base"], config["rotary_pct"] = config["rope_theta"], config["partial_rotary_factor"]
@@ -68,6 +68,8 @@ def hub_config(config: dict) -> dict:
             config["rope_scaling"] = rope
             if rope["rope_type"] == "longrope":  # Phi-3's hub configs spell it `type` (mlx-lm requires that)
                 rope["type"] = rope["rope_type"]
+        elif config["model_type"] == "glm4_moe":  # GLM-4.5's configs say rope_scaling null (mlx-lm requires the key)
+            config["rope_scaling"] = None
     if config.get("per_layer_config"):
         wide = next(iter(config["per_layer_config"].values()))
         config["global_head_dim"], config["num_global_key_value_heads"] = wide["head_dim"], wide["num_key_value_heads"]
@@ -135,9 +137,9 @@ def _check(reference, candidate, report: Path, *extra):
 
 
 def test_the_families_mlx_runs():
-    assert MLX_FAMILIES == ["cohere", "cohere2", "deepseek_v3", "gemma", "gemma2", "gemma3", "gemma4", "gpt2",
-                            "gpt_neox", "granite", "llama", "mistral", "mixtral", "olmo2", "olmo3", "olmoe", "phi",
-                            "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "stablelm"]
+    assert MLX_FAMILIES == ["cohere", "cohere2", "deepseek_v3", "gemma", "gemma2", "gemma3", "gemma4", "glm4_moe",
+                            "gpt2", "gpt_neox", "granite", "llama", "mistral", "mixtral", "olmo2", "olmo3", "olmoe",
+                            "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "stablelm"]
 
 
 # Gemma (1): mlx-lm's MLP uses the exact GELU where transformers uses the tanh one (FINDINGS): 1.9e-4 on the tiny

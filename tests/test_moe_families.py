@@ -29,14 +29,14 @@ from parity.neutral.manifest import load
 from parity.reference.capture import run_and_capture
 from tests.conftest import ADAPTERS, FIXTURES, real_config
 
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe", "llama4"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe", "glm4_moe", "llama4"]
 # the families whose checkpoints store each expert's gate, up and down apart (gpt_oss stores them stacked, gate and
 # up interleaved in one gate_up_proj)
-PER_EXPERT = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
+PER_EXPERT = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe"]
 PROMPT = torch.tensor([[(11 * k + 5) % 256 for k in range(48)]])
 # the MoE block as transformers names it in memory, and the first MoE layer of each tiny checkpoint
 BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock",
-          "qwen2_moe": "Qwen2MoeSparseMoeBlock"}
+          "qwen2_moe": "Qwen2MoeSparseMoeBlock", "glm4_moe": "Glm4MoeMoE"}
 # per-expert tensor names on disk (what the released checkpoints hold), by neutral expert tensor
 ON_DISK = {
     "qwen3_moe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
@@ -49,6 +49,8 @@ ON_DISK = {
                   "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
     "olmoe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
               "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
+    "glm4_moe": {"gate": "mlp.experts.{e}.gate_proj.weight", "up": "mlp.experts.{e}.up_proj.weight",
+                 "down": "mlp.experts.{e}.down_proj.weight", "router": "mlp.gate.weight"},
 }
 
 
@@ -213,7 +215,8 @@ def test_executor_matches_transformers_at_every_capture_point_in_float32(family,
 @pytest.mark.parametrize("family", PER_EXPERT)
 def test_the_moe_block_matches_transformers_bit_for_bit_in_bfloat16(family, tiny_dir, neutral_dir):
     """Where the routing weights multiply the experts' outputs (weights_dtype) is the only rounding a bf16 MoE adds:
-    with the family's choice the block is transformers' to the bit; with the other one it is not."""
+    with the family's choice the block is transformers' to the bit; with the other one it is not. A float32 router
+    (router_dtype: GLM-4.5's, kept so by _keep_in_fp32_modules_strict) stays float32 on both sides."""
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir(family), dtype=torch.bfloat16).eval()
     manifest, tensors = load(neutral_dir(family))
     torch.manual_seed(0)
@@ -222,8 +225,11 @@ def test_the_moe_block_matches_transformers_bit_for_bit_in_bfloat16(family, tiny
         spec = layer["mlp"]["moe"]
         if spec is None:
             continue
-        w = {k.removeprefix(f"layers.{i}."): v.to(torch.bfloat16) for k, v in tensors.items()
-             if k.startswith(f"layers.{i}.")}
+        w = {}
+        for name, v in tensors.items():
+            k = name.removeprefix(f"layers.{i}.")
+            if k != name:
+                w[k] = v if spec["router_dtype"] == "float32" and k.startswith("moe.router.") else v.to(torch.bfloat16)
         with torch.no_grad():
             ref = model.model.layers[i].mlp(x[None])[0]
             ours = moe(x, x, w, spec)
@@ -337,7 +343,7 @@ def test_saved_without_the_model_prefix_and_streamed(family, tiny_dir, tmp_path)
     save_file({k.removeprefix("model."): v for k, v in tensors.items()}, path / "model.safetensors",
               metadata={"format": "pt"})
     ckpt = open_checkpoint(path)
-    first = _moe_layers(ckpt.resolved)[0]
+    first = _moe_layers(ckpt.resolved)[0]  # GLM-4.5's layer 0 is dense
     assert ckpt.check().ok and f"layers.{first}.{ON_DISK[family]['router']}" in ckpt.tensors
     convert(path, tmp_path / "n")
     report = parity.check(path, tmp_path / "n", layerwise=True, stream=True)
