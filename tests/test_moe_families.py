@@ -333,7 +333,8 @@ def test_a_qwen3_moe_checkpoint_with_norm_topk_prob_flipped_fails_at_the_first_m
     assert again.first_divergence.name == report.first_divergence.name
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+# llama4: not loadable so (Llama4ForCausalLM's base_model_prefix is "language_model"); its adapter declares no "" prefix
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "llama4"])
 def test_saved_without_the_model_prefix_and_streamed(family, tiny_dir, tmp_path):
     """Saved from the base model (``layers.0.block_sparse_moe.experts.0.w1.weight``, no ``model.``): recognised,
     converted and checked a layer at a time, transformers' loader renaming and fusing each layer's experts."""

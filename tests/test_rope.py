@@ -89,7 +89,10 @@ def reference_cos_sin(module, positions: torch.Tensor, layer_type: str | None):
     """The transformers rotary module's float32 cos/sin for one sequence of positions: [S, r] each."""
     x = torch.zeros(1, dtype=torch.float32)
     kwargs = {"layer_type": layer_type} if "layer_type" in inspect.signature(module.forward).parameters else {}
-    cos, sin = module(x, positions[None], **kwargs)
+    out = module(x, positions[None], **kwargs)
+    if isinstance(out, torch.Tensor) and out.is_complex():  # Llama 4: freqs_cis, cos + i sin, one per pair [S, r/2]
+        return out[0].real.float(), out[0].imag.float()
+    cos, sin = out
     return cos[0], sin[0]
 
 
@@ -104,8 +107,9 @@ def check_every_layer(r, module_factory, layer_types) -> int:
         # transformers' tables are cat(freqs, freqs), except where the model rotates adjacent pairs itself
         # (Cohere: repeat_interleave), each frequency then repeated for its pair
         pairs = torch.equal(ref_cos[..., 0::2], ref_cos[..., 1::2])
-        if ref_cos.shape[-1] == rope["rotary_dim"] // 2:  # GPT-OSS: one angle per pair, [S, r/2]
-            cos, sin, pairs = cos[..., : rope["rotary_dim"] // 2], sin[..., : rope["rotary_dim"] // 2], True
+        if ref_cos.shape[-1] == rope["rotary_dim"] // 2:  # GPT-OSS, Llama 4: one angle per pair, [S, r/2]
+            one = slice(0, None, 2) if rope["style"] == "interleaved" else slice(0, rope["rotary_dim"] // 2)
+            cos, sin, pairs = cos[..., one], sin[..., one], True
         assert rel_err(cos if pairs else to_half_layout(cos, rope), ref_cos) <= 1e-6, f"layer {i}: cos"
         assert rel_err(sin if pairs else to_half_layout(sin, rope), ref_sin) <= 1e-6, f"layer {i}: sin"
     return r.num_layers

@@ -359,10 +359,18 @@ def _rows_only(module: torch.nn.Embedding, files: TensorFiles, source: str, dtyp
         mod._parity_padding, mod.padding_idx = mod.padding_idx, None  # its index is into the full table
         return (inverse, *args[1:])
 
+    def idle(mod) -> None:
+        # between calls, a weight of the table's shape on the real device, with no storage behind it (a stride-0
+        # view of one zero): a model that moves the ids to the embedding's device first (Llama 4) keeps real ids
+        shape, kind = mod.weight.shape, mod.weight.dtype
+        mod._parameters["weight"] = torch.nn.Parameter(torch.zeros((), dtype=kind, device=device).expand(shape),
+                                                       requires_grad=False)
+
     def after(mod, args, out):
-        mod._parameters["weight"] = torch.nn.Parameter(mod.weight.to("meta"), requires_grad=False)
+        idle(mod)
         mod.padding_idx = mod._parity_padding
 
+    idle(module)
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after)
 
