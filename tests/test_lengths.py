@@ -98,3 +98,14 @@ def test_default_length_stops_at_the_models_positions(tmp_path):
     assert default_length(open_checkpoint(path)) == 2048
     path, _ = _llama(tmp_path, "longrope")
     assert default_length(open_checkpoint(path)) == 1040
+
+
+def test_llama4_chunks_and_temperature_floor_are_thresholds(tiny_dir):
+    """Llama 4's chunked attention changes nothing until a prompt outgrows the first chunk, and its temperature
+    tuning nothing until position floor_scale - 1: both are lengths the default prompt must cross."""
+    ckpt = open_checkpoint(tiny_dir("llama4"))
+    assert thresholds(ckpt) == {"attention chunk 16": 16, "attention temperature floor 8": 8}
+    assert default_length(ckpt) == 64  # MIN_LENGTH, past 16 + 16
+    seen, warnings = exercised(ckpt, 12)
+    assert seen["attention chunk 16"] is False and seen["attention temperature floor 8"] is True
+    assert any("attention chunk 16" in w for w in warnings)

@@ -1,11 +1,12 @@
 """Prompt lengths: which conventions change the computation with the prompt's length, the default prompt that
 crosses them, and what a given prompt exercises.
 
-Only two kinds of convention act past a length: a sliding window (positions further apart than the window stop
-attending to each other) and a RoPE scaling whose frequencies depend on the sequence length (``dynamic`` NTK past
-max_position_embeddings, ``longrope``'s long factors past original_max_position_embeddings). Other scalings
-(``linear``, ``llama3``, ``yarn``, ...) rescale the frequencies the same way at every length: a prompt of any
-length exercises them, and their ``original_max_position_embeddings`` is no threshold.
+The conventions that act past a length: a sliding window (positions further apart than the window stop
+attending to each other), chunked attention and attention temperature tuning (Llama 4), and a RoPE scaling
+whose frequencies depend on the sequence length (``dynamic`` NTK past max_position_embeddings, ``longrope``'s
+long factors past original_max_position_embeddings). Other scalings (``linear``, ``llama3``, ``yarn``, ...)
+rescale the frequencies the same way at every length: a prompt of any length exercises them, and their
+``original_max_position_embeddings`` is no threshold.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def thresholds(ckpt: Checkpoint) -> dict[str, int]:
     for i in range(r.num_layers):
         if window := r.layer("attention.sliding_window", i):
             out[f"sliding window {window}"] = window
+        if chunk := r.layer("attention.chunk_size", i):  # Llama 4: attention stops at the chunk's edge
+            out[f"attention chunk {chunk}"] = chunk
+        if floor := r.layer("attention.temperature_floor", i):  # Llama 4: the queries' scale first grows there
+            out[f"attention temperature floor {floor}"] = floor
         if r["positions.kind"] == "rope":
             scaling = r.layer("positions.rope_scaling", i) or {}
             kind = scaling.get("rope_type")
