@@ -28,7 +28,8 @@ pytest.importorskip("llama_cpp")
 RELEASED = {"llama": {}, "qwen2": {"use_sliding_window": False, "rope_scaling": None},
             "qwen3": {"use_sliding_window": False, "rope_scaling": None, "attention_bias": False},
             "gemma2": {"attention_bias": False, "query_pre_attn_scalar": 16},
-            "gemma3": {"attention_bias": False, "query_pre_attn_scalar": 16, "rope_scaling": None}}
+            "gemma3": {"attention_bias": False, "query_pre_attn_scalar": 16, "rope_scaling": None},
+            "cohere2": {}}
 FAMILIES = sorted(RELEASED)
 S = 20  # past the tiny Gemmas' sliding window (8): their sliding layers' masks are exercised
 FLOAT32 = 1e-5

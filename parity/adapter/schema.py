@@ -351,9 +351,15 @@ class GGUFExport(_Strict):
     windows: bool = False           # reads attention.sliding_window and a per-layer sliding_window_pattern
     softcaps: bool = False          # reads attn_logit_softcapping / final_logit_softcapping
     local_rope_base: bool = False   # sliding layers rotate with rope.freq_base_swa
-    # reads embedding_scale, residual_scale, attention.scale and logit_scale (the logits DIVIDED by it: Granite)
+    # reads embedding_scale, residual_scale and attention.scale (Granite)
     multipliers: bool = False
+    # reads logit_scale and multiplies the logits by it (Command-R) or divides them (Granite); "": has none
+    logit_scale: Literal["", "multiply", "divide"] = ""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"   # the kind of every norm, and the eps key it reads
+    # attention and MLP read one norm's output and add to the layer's input together (Command-R's block)
+    parallel: bool = False
     nope_every: int = 0             # the architecture skips RoPE on every n-th layer, n fixed in llama.cpp (SmolLM3: 4)
+    nope_global: bool = False       # it rotates q/k on its sliding-window layers only (Cohere 2)
     # llama.cpp graph tensors whose meaning in this architecture differs from parity/candidates/gguf.py's table:
     # {tensor name ({i}: the layer): capture point, or "" where it is none of them}; a name llama.cpp gives no
     # layer index may still map to "layers.{i}...": the layer of the indexed tensor computed before it

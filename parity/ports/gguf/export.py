@@ -124,30 +124,55 @@ def _one(values: list, what: str, arch: str):
 
 
 def _multipliers(writer, manifest: dict, spec) -> None:
-    """Granite's four multipliers where the architecture reads them; elsewhere a model with a residual or logit
-    multiplier is refused (llama.cpp would run it without)."""
+    """Granite's multipliers and a logit scale (Granite divides by it, Command-R multiplies) where the architecture
+    reads them; elsewhere a model with one is refused (llama.cpp would run it without)."""
     arch, layers = spec.arch, manifest["layers"]
     residual = _one([layer.get("residual_scale", 1.0) for layer in layers], "the residual multiplier", arch)
     logits = (manifest["head"] or {}).get("scale", 1.0)
+    if logits != 1.0 and not spec.logit_scale:
+        raise ParityError(f"llama.cpp's {arch} has no logit scale; this model multiplies its logits by {logits:g}")
+    if spec.logit_scale:
+        writer.add_logit_scale(logits if spec.logit_scale == "multiply" else 1.0 / logits)
     if not spec.multipliers:
-        if residual != 1.0 or logits != 1.0:
-            raise ParityError(f"llama.cpp's {arch} has no residual or logit multiplier; this model has one")
+        if residual != 1.0:
+            raise ParityError(f"llama.cpp's {arch} has no residual multiplier; this model has {residual:g}")
         return
     writer.add_embedding_scale(manifest["embedding"]["scale"])
     writer.add_residual_scale(residual)
     writer.add_attention_scale(_one([layer["attention"]["scale"] for layer in layers], "the attention scale", arch))
-    writer.add_logit_scale(1.0 / logits)  # llama.cpp divides the logits by it
 
 
 def _nope(manifest: dict, spec) -> None:
-    """llama.cpp fixes which layers go without RoPE (every ``nope_every``-th): the model's must be those."""
-    ropes = [layer["attention"]["rope"] is not None for layer in manifest["layers"]]
+    """llama.cpp fixes which layers go without RoPE (every ``nope_every``-th, or every global one): the model's
+    must be those."""
+    atts = [layer["attention"] for layer in manifest["layers"]]
+    ropes = [a["rope"] is not None for a in atts]
     every = spec.nope_every
-    expected = [not every or (i + 1) % every != 0 for i in range(len(ropes))]
+    if spec.nope_global:
+        expected, rule = [a["sliding_window"] is not None for a in atts], "every layer without a sliding window"
+    else:
+        expected = [not every or (i + 1) % every != 0 for i in range(len(ropes))]
+        rule = f"every {every}th layer" if every else "none"
     if any(ropes) and ropes != expected:
         nope = [i for i, r in enumerate(ropes) if not r]
-        raise ParityError(f"layers {nope or 'none'} apply no RoPE; llama.cpp's {spec.arch} skips it on "
-                          + (f"every {every}th layer" if every else "none"))
+        raise ParityError(f"layers {nope or 'none'} apply no RoPE; llama.cpp's {spec.arch} skips it on {rule}")
+
+
+def _block(manifest: dict, spec) -> None:
+    """The layer's structure llama.cpp's architecture builds: its norm kind, and a parallel or sequential block."""
+    final = manifest["final_norm"]
+    if final and final["kind"] != spec.norm:
+        raise ParityError(f"the final norm is a {final['kind']}; llama.cpp's {spec.arch} computes {spec.norm} only")
+    for i, layer in enumerate(manifest["layers"]):
+        kinds = {n["kind"] for n in layer["norms"].values() if n}
+        if kinds - {spec.norm}:
+            raise ParityError(f"layer {i} has {', '.join(sorted(kinds))} norms; llama.cpp's {spec.arch} computes "
+                              f"{spec.norm} only")
+        mlp = layer["mlp"]
+        parallel = bool(mlp.get("parallel")) and bool(mlp.get("shared_norm"))
+        if parallel != spec.parallel:
+            ours, theirs = ("in parallel on one norm", "in sequence")[::1 if parallel else -1]
+            raise ParityError(f"layer {i}: attention and MLP run {ours}; llama.cpp's {spec.arch} runs them {theirs}")
 
 
 def _metadata(writer, manifest: dict, spec) -> dict | None:
@@ -160,6 +185,7 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     intermediate = _one([layer["mlp"]["intermediate_size"] for layer in layers], "the MLP width", arch)
     if any(a["mla"] is not None for a in atts) or any(layer["mlp"]["moe"] for layer in layers):
         raise ParityError(f"MLA and MoE layers are not written to GGUF yet (architecture {arch!r})")
+    _block(manifest, spec)
     _multipliers(writer, manifest, spec)
     for i, a in enumerate(atts):
         if not spec.multipliers and abs(a["scale"] - a["head_dim"] ** -0.5) > 1e-9 * a["scale"]:
@@ -182,7 +208,10 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     writer.add_head_count_kv(att["kv_heads"])
     writer.add_key_length(att["head_dim"])
     writer.add_value_length(att["head_dim"])
-    writer.add_layer_norm_rms_eps(eps)
+    if spec.norm == "layernorm":
+        writer.add_layer_norm_eps(eps)
+    else:
+        writer.add_layer_norm_rms_eps(eps)
     writer.add_vocab_size(manifest["vocab_size"])
     if any(windowed):
         writer.add_sliding_window(_one([a["sliding_window"] for a in atts if a["sliding_window"] is not None],
@@ -211,9 +240,11 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     return rope
 
 
-# Catalogued mistakes a GGUF file can carry (--inject): its metadata (rope.freq_base, layer_norm_rms_epsilon), its
-# q/k row layout, or its norm weights. The others (an activation, a softcap skipped) live in llama.cpp's code.
-INJECTABLE = ("rope-permuted", "rope-theta-wrong", "norm-eps-wrong", "norm-offset-dropped", "norm-offset-added")
+# Catalogued mistakes a GGUF file can carry (--inject): its metadata (rope.freq_base, layer_norm_rms_epsilon,
+# logit_scale), its q/k row layout, or its norm weights. The others (an activation, a softcap skipped) live in
+# llama.cpp's code.
+INJECTABLE = ("rope-permuted", "rope-theta-wrong", "norm-eps-wrong", "norm-offset-dropped", "norm-offset-added",
+              "logit-scale-dropped")
 
 
 def _injected(bug: str, manifest: dict, tensors: dict[str, torch.Tensor], source_style: str

@@ -7,7 +7,8 @@ its bias sum, then its reshape into heads, then RoPE's output. The tensors are t
 
     attn.q, .k, .v            the last Qcur / Kcur / Vcur before RoPE or QK-Norm (the bias sum, reshaped)
     attn.q_norm, .k_norm      Qcur_normed / Kcur_normed
-    attn.q_rope, .k_rope      the Qcur / Kcur that is a ROPE op (Gemma scales the queries after it, unnamed)
+    attn.q_rope, .k_rope      the Qcur / Kcur that is a ROPE op (Gemma scales the queries after it, unnamed); on
+                              a layer without RoPE, the q / k (normed) that attention receives
     attn.scores               rebuilt from the softmax (below)
     attn.probs                kq_soft_max, cropped to the keys attended
     attn.context              the input of the matmul with blk.N.attn_output.weight (kqv_out)
@@ -164,6 +165,11 @@ class OpCapture:
     def _softmax(self, node: Node, layer: int) -> None:
         """attn.probs (the softmax's output) and attn.scores (its input rebuilt: see the module's docstring)."""
         s, t = self.tokens, self.keys
+        for base, (before, after) in PROJECTIONS.items():  # a NoPE layer: attention receives q/k unrotated
+            normed = before + "_norm"
+            held = self.captured.get(f"layers.{layer}.{normed}", self.captured.get(f"layers.{layer}.{before}"))
+            if after is not None and (base, layer) not in self.rotated and held is not None:
+                self.captured[f"layers.{layer}.{after}"] = held
         probs = node.read()
         if probs is not None and probs.dim() == 4:
             self._put(layer, "attn.probs", ops.probs(probs[..., :s, :t]))
