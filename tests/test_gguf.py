@@ -24,7 +24,8 @@ GGUF_FAMILIES = sorted(f for f, a in ADAPTERS.items() if a.spec.gguf is not None
 NOT_NAMED = {"llama": set(), "qwen2": set(), "qwen3": set(), "gemma": set(), "gemma2": set(), "gemma3": set(),
              "olmo2": {"attn_in", "mlp_in"}, "granite": set(), "smollm3": set(),
              # Command-R's MLP reads attention's norm (attn_norm): no norm of its own to name
-             "cohere": {"mlp_in"}, "cohere2": {"mlp_in"}}
+             "cohere": {"mlp_in"}, "cohere2": {"mlp_in"},
+             "phi3": {"mid"}}  # phi3's graph leaves the residual after attention unnamed
 # llama.cpp's CPU GELU reads an f16 table (ggml-cpu vec.h, GGML_GELU_FP16): a GELU MLP's output differs by
 # rel_l2 ~3e-4 from the exact function (measured on the tiny Gemma: 3.0e-4 at layers.0.mlp_out, 5.0e-4 at most),
 # an engine approximation, not a port mistake; those families are judged at 1e-3.
@@ -42,8 +43,8 @@ def _check(reference, candidate, report, *extra):
 
 
 def test_the_families_llama_cpp_runs():
-    assert GGUF_FAMILIES == ["cohere", "cohere2", "gemma", "gemma2", "gemma3", "granite", "llama", "olmo2", "qwen2",
-                             "qwen3", "smollm3"]
+    assert GGUF_FAMILIES == ["cohere", "cohere2", "gemma", "gemma2", "gemma3", "granite", "llama", "olmo2", "phi3",
+                             "qwen2", "qwen3", "smollm3"]
 
 
 # The tiny checkpoints exercise every switch of a family; llama.cpp implements the released models: Qwen2.5 and
@@ -57,7 +58,9 @@ RELEASED = {"llama": {}, "qwen2": {"use_sliding_window": False, "rope_scaling": 
             "gemma2": {"attention_bias": False, "query_pre_attn_scalar": 16},
             "gemma3": {"attention_bias": False, "query_pre_attn_scalar": 16, "rope_scaling": None},
             "olmo2": {"attention_bias": False},  # OLMo 2 ships no attention biases (llama.cpp's olmo2 reads none)
-            "granite": {}, "smollm3": {}, "cohere": {}, "cohere2": {}}
+            "granite": {}, "smollm3": {}, "cohere": {}, "cohere2": {},
+            # Phi-4-mini: no sliding window (llama.cpp's phi3 ignores one: below)
+            "phi3": {"sliding_window": None}}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +96,34 @@ def test_f32_gguf_passes_layerwise_in_llama_cpp(family, tmp_path, released):
         point = name.split(".")[-1] if name.startswith("layers.") else name
         assert p["compared"] == (point not in NOT_NAMED[family]), (family, name)
     assert report["logits"]["top1_agreement"] == 1.0 and report["logits"]["kl_max"] < 1e-6
+
+
+def test_llama_cpp_attends_globally_where_phi3_slides(tmp_path, tiny_dir):
+    """llama.cpp's phi3 reads the sliding window and drops it (src/models/phi3.cpp, ggml-org/llama.cpp#13676): a
+    Phi-3 whose window the prompt passes (Phi-3-mini: 2047) diverges in llama.cpp from the first position past
+    it, and the check names the mistake. The LongRoPE factors before it agree."""
+    reference = tiny_dir("phi3")
+    out = tmp_path / "phi3.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", out).exit_code == 0
+    result, report = _check(reference, out, tmp_path / "r.json", "--calibrate")
+    assert result.exit_code == 1
+    assert report["first_divergence"]["point"] == "layers.0.attn_out"
+    assert report["diagnosis"][0]["bug"] == "sliding-window-ignored"
+    assert "starts at position 16" in report["diagnosis"][0]["evidence"]
+
+
+def test_llama_cpp_picks_longrope_factors_by_its_context(tmp_path, released):
+    """llama.cpp picks LongRoPE's factor set by the context it allocates (n_ctx_seq, padded to 256), not by the
+    sequence (src/llama-model.cpp get_rope_factors; ggml-org/llama.cpp#24823): a 20-token prompt of a Phi-3 whose
+    original context is 32 is rotated with the long factors, where transformers takes the short ones. Past 32
+    tokens the two agree (test_f32_gguf_passes_layerwise_in_llama_cpp)."""
+    reference = released("phi3")
+    out = tmp_path / "phi3.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", out).exit_code == 0
+    result, report = _check(reference, out, tmp_path / "r.json", "--calibrate", "--length", "20")
+    assert result.exit_code == 1
+    assert report["first_divergence"]["op"] == "layers.0.attn.q_rope"
+    assert report["diagnosis"][0]["bug"] == "longrope-long-factors-early"
 
 
 def test_llama_with_unpermuted_q_k_fails_at_the_first_attention(tmp_path, released):

@@ -29,7 +29,9 @@ RELEASED = {"llama": {}, "qwen2": {"use_sliding_window": False, "rope_scaling": 
             "qwen3": {"use_sliding_window": False, "rope_scaling": None, "attention_bias": False},
             "gemma2": {"attention_bias": False, "query_pre_attn_scalar": 16},
             "gemma3": {"attention_bias": False, "query_pre_attn_scalar": 16, "rope_scaling": None},
-            "cohere2": {}}
+            # no window (llama.cpp's phi3 ignores one), and LongRoPE's long factors from 8 tokens on: llama.cpp takes
+            # them for any context it allocates past the original length (tests/test_gguf.py)
+            "cohere2": {}, "phi3": {"sliding_window": None, "original_max_position_embeddings": 8}}
 FAMILIES = sorted(RELEASED)
 S = 20  # past the tiny Gemmas' sliding window (8): their sliding layers' masks are exercised
 FLOAT32 = 1e-5

@@ -360,6 +360,12 @@ class GGUFExport(_Strict):
     parallel: bool = False
     nope_every: int = 0             # the architecture skips RoPE on every n-th layer, n fixed in llama.cpp (SmolLM3: 4)
     nope_global: bool = False       # it rotates q/k on its sliding-window layers only (Cohere 2)
+    # LongRoPE as llama.cpp reads it: rope_factors_long / _short (divisors), rope.scaling.attn_factor and
+    # original_context_length; it picks the long set when the context it is given exceeds the original (Phi-3)
+    longrope: bool = False
+    # llama.cpp tensors written as neutral tensors concatenated along their rows, in order ({i}: the layer):
+    # {"blk.{i}.ffn_up.weight": ["layers.{i}.mlp.gate.weight", "layers.{i}.mlp.up.weight"]}
+    fuse: dict[str, list[str]] = {}
     # llama.cpp graph tensors whose meaning in this architecture differs from parity/candidates/gguf.py's table:
     # {tensor name ({i}: the layer): capture point, or "" where it is none of them}; a name llama.cpp gives no
     # layer index may still map to "layers.{i}...": the layer of the indexed tensor computed before it

@@ -159,7 +159,7 @@ class GGUFRun:
     operation-level points too (parity.ports.gguf.ops), q/k rows in the order of the reference ``resolved``."""
 
     def __init__(self, path: Path, n_tokens: int, points: dict[str, str] | None = None, ops: bool = False,
-                 resolved=None):
+                 resolved=None, fuse: dict[str, list[str]] | None = None):
         try:
             import llama_cpp
         except ImportError:
@@ -188,7 +188,8 @@ class GGUFRun:
         if ops:
             from parity.ports.gguf.ops import OpCapture, row_order
 
-            self.ops = OpCapture(row_order(resolved, llama_cpp.llama_model_rope_type(self.model)))
+            self.ops = OpCapture(row_order(resolved, llama_cpp.llama_model_rope_type(self.model)),
+                                 *_fused_ops(fuse or {}, resolved))
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = max(n_tokens, 16)
@@ -358,13 +359,36 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     return run
 
 
+def _fused_ops(fuse: dict[str, list[str]], resolved) -> tuple[dict[str, list[str]], object]:
+    """The fused graph tensors of the file (the adapter's [gguf] fuse) -> the ops side by side in them, and the
+    reference's width of each op, to split them by."""
+    from parity.ports.gguf.ops import FUSED_NODES
+
+    fused = {}
+    for target, parts in fuse.items():
+        nodes = FUSED_NODES.get(target.removeprefix("blk.{i}."), ())
+        ops = [part.removeprefix("layers.{i}.").removesuffix(".weight") for part in parts]
+        fused.update({node: ops for node in nodes})
+    if not fused or resolved is None:
+        return {}, None
+
+    def width(i: int, op: str) -> int:
+        heads = {"attn.q": "attention.heads", "attn.k": "attention.kv_heads", "attn.v": "attention.kv_heads"}
+        if op in heads:
+            return resolved.layer(heads[op], i) * resolved.layer("attention.head_dim", i)
+        return resolved.layer("mlp.intermediate_size", i)  # mlp.gate, mlp.up
+
+    return fused, width
+
+
 def _engine(candidate, n_tokens: int, ops: bool = True) -> GGUFRun:
     """The candidate's llama.cpp run, with the architecture's own point meanings (its adapter's [gguf] points) and,
     where the check wants them, the operation-level points."""
     ckpt = candidate.ckpt
     spec = ckpt.adapter.spec.gguf if ckpt is not None else None
     return GGUFRun(Path(candidate.path), n_tokens, spec.points if spec is not None else None,
-                   ops=ops and candidate.options.ops, resolved=ckpt.resolved if ckpt is not None else None)
+                   ops=ops and candidate.options.ops, resolved=ckpt.resolved if ckpt is not None else None,
+                   fuse=spec.fuse if spec is not None else None)
 
 
 def _note_ops(candidate, engine: GGUFRun, captured: dict) -> None:

@@ -81,13 +81,15 @@ def run(families: list[str] | None = None, dtype: str | None = None,
             applicable = bugs.applicable(manifest)
             cases = [(None, dtype or "float32", None, False)] + [
                 (b.id, dtype or b.dtype, b.width, False) for b in applicable if not b.decode]
+            short = {b.id: _first_threshold(src) for b in applicable if b.short}
             if bugs.decodes(manifest):
                 cases += [(None, dtype or "float32", None, True)] + [
                     (b.id, dtype or b.dtype, b.width, True) for b in applicable if b.decode]
             for bug_id, case_dtype, width, decoding in cases:
                 say(f"{family}: {bug_id or 'clean'}{' (decode)' if decoding else ''}")
                 src, neutral = tiny(family, width)
-                prefill = check(src, neutral, dtype=case_dtype, layerwise=True, calibrate=True, inject=bug_id)
+                prefill = check(src, neutral, dtype=case_dtype, layerwise=True, calibrate=True, inject=bug_id,
+                                length=short.get(bug_id))
                 report = prefill if not decoding else check(src, neutral, dtype=case_dtype, layerwise=True,
                                                             calibrate=True, inject=bug_id, decode=DECODE_STEPS)
                 logits = prefill.logits or {}  # what a port's usual final-output checks see: one forward
@@ -105,6 +107,15 @@ def run(families: list[str] | None = None, dtype: str | None = None,
                     op_right=_op_right(bug_id, report.drilldown) if not decoding else None,
                 ))
     return rows
+
+
+def _first_threshold(src: Path) -> int:
+    """The first length at which the model's arithmetic changes (a window, a RoPE scaling's threshold): a prompt
+    that long has crossed none."""
+    from parity.checkpoint import open_checkpoint
+    from parity.checkpoint.lengths import thresholds
+
+    return min(thresholds(open_checkpoint(src)).values())
 
 
 def _op_right(bug_id: str | None, drilldown: dict | None) -> bool | None:

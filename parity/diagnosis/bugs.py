@@ -37,6 +37,8 @@ class Bug:
     dtype: str = "float32"       # the dtype its selftest runs in
     width: int | None = None     # its selftest's hidden size, where 64 is too narrow for the mistake to show
     decode: bool = False         # a KV-cache mistake: only decode steps show it (check --decode), the prefill passes
+    short: bool = False          # shows only on sequences shorter than a length threshold: its selftest's prompt
+                                 # stops at the first one (the default prompt crosses them all)
     op: str | None = None        # where inside a layer it first shows (docs/ops.md: attn.q_rope, attn_in, ...); None:
                                  # outside the layers (the embedding, the head) or only in decode steps
     also: tuple[str, ...] = ()   # other ops it may first show at, on some sides (below, where one is given)
@@ -318,6 +320,22 @@ def _theta_wrong(m: dict, t: Tensors) -> None:
         rope["theta"] = 10000.0 if rope["theta"] != 10000.0 else 1000000.0
 
 
+def _longropes(m: dict) -> list[dict]:
+    """The LongRoPE scalings whose two factor sets differ (picking the wrong one changes the rotation)."""
+    return [r["scaling"] for r in _ropes(m) if (r.get("scaling") or {}).get("rope_type") == "longrope"
+            and r["scaling"]["long_factor"] != r["scaling"]["short_factor"]]
+
+
+def _long_factors_early(m: dict, t: Tensors) -> None:
+    for scaling in _longropes(m):
+        scaling["short_factor"] = list(scaling["long_factor"])
+
+
+def _short_factors_late(m: dict, t: Tensors) -> None:
+    for scaling in _longropes(m):
+        scaling["long_factor"] = list(scaling["short_factor"])
+
+
 def _window_ignored(m: dict, t: Tensors) -> None:
     for _, att in _attention(m):
         att["sliding_window"] = None
@@ -473,9 +491,20 @@ CATALOG: list[Bug] = [
         "RoPE with a different base", "degrades on long prompts",
         "ggml-org/llama.cpp PR #2768, #2773; vllm-project/vllm PR #29111; stanford-crfm/levanter #649",
         lambda m: _has(m, lambda a: a["rope"] is not None), _theta_wrong, op="attn.q_rope"),
+    Bug("longrope-long-factors-early", "LongRoPE's long factors applied to a sequence within "
+        "original_max_position_embeddings (the set picked by the context allocated, not the sequence's length)",
+        "LongRoPE rotating a short sequence with its long factors", "subtle",
+        "ggml-org/llama.cpp #24823 (PR #24875 not merged); lablup/mlxcel #1358",
+        lambda m: bool(_longropes(m)), _long_factors_early, short=True, op="attn.q_rope"),
+    Bug("longrope-short-factors-late", "LongRoPE's short factors kept past original_max_position_embeddings (the set "
+        "never switched, or picked by a context no longer than the original)",
+        "LongRoPE rotating a long sequence with its short factors", "degrades on long prompts",
+        "no public instance found",
+        lambda m: bool(_longropes(m)), _short_factors_late, op="attn.q_rope"),
     Bug("sliding-window-ignored", "sliding-window layers attend globally",
         "sliding-window layers attending globally", "degrades on long prompts",
-        "vllm-project/vllm PR #5908, #2064; ggml-org/llama.cpp #3371, #3377, PR #8227; sgl-project/sglang PR #4823",
+        "vllm-project/vllm PR #5908, #2064; ggml-org/llama.cpp #3371, #3377, PR #8227, #7709, PR #13676; "
+        "sgl-project/sglang PR #4823",
         lambda m: _has(m, lambda a: bool(a["sliding_window"])), _window_ignored, op="attn.scores"),
     Bug("chunked-attention-as-full", "chunked-attention layers attend to every earlier key, across chunks",
         "chunked-attention layers attending across their chunks", "degrades on long prompts",

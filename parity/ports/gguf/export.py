@@ -74,22 +74,30 @@ def neutral_name(name: str) -> str | None:
     return None
 
 
-def _rope_freqs(rope: dict) -> torch.Tensor | None:
-    """llama.cpp divides each unscaled frequency by rope_freqs[k]: the static scaling as divisors (None: none)."""
+def _rope_tensors(writer, rope: dict, spec) -> dict[str, torch.Tensor]:
+    """RoPE scaling as llama.cpp reads it: a static one (llama3, linear) as per-pair frequency divisors in
+    rope_freqs; LongRoPE, where the architecture reads it, as its two divisor sets and attention factor."""
     from parity.rope import LENGTH_DEPENDENT, inv_freq
 
     scaling = rope.get("scaling")
     if not scaling:
-        return None
-    if scaling.get("rope_type") in LENGTH_DEPENDENT:
-        raise ParityError(f"RoPE scaling {scaling.get('rope_type')!r} depends on the length; --to gguf writes static "
-                          f"scalings only (llama3, linear)")
+        return {}
+    kind = scaling.get("rope_type")
+    if kind == "longrope" and spec.longrope:
+        _, attention = inv_freq(rope, seq_len=None)
+        writer.add_rope_scaling_attn_factors(attention)
+        writer.add_rope_scaling_orig_ctx_len(scaling.get("original_max_position_embeddings", rope["max_positions"]))
+        return {f"rope_factors_{which}.weight": torch.tensor(scaling[f"{which}_factor"], dtype=torch.float32)
+                for which in ("long", "short")}
+    if kind in LENGTH_DEPENDENT:
+        raise ParityError(f"RoPE scaling {kind!r} depends on the length; llama.cpp's {spec.arch} reads static "
+                          f"scalings only (llama3, linear)" + (", and LongRoPE where its architecture does"
+                                                               if kind == "longrope" else ""))
     scaled, attention = inv_freq(rope)
     if attention != 1.0:
-        raise ParityError(f"RoPE scaling {scaling.get('rope_type')!r} scales attention ({attention:g}); --to gguf "
-                          f"does not write it yet")
+        raise ParityError(f"RoPE scaling {kind!r} scales attention ({attention:g}); --to gguf does not write it yet")
     plain, _ = inv_freq({**rope, "scaling": None})
-    return (plain / scaled).float()
+    return {"rope_freqs.weight": (plain / scaled).float()}
 
 
 def vocabulary(directory: Path, size: int) -> tuple[list[str], list[str]] | None:
@@ -306,6 +314,30 @@ def _encoded(x: torch.Tensor, matrix):
     return x.to(torch.float16 if kind == gguf.GGMLQuantizationType.F16 else torch.float32).numpy(), None
 
 
+def _fused(tensors, fuse: dict[str, list[str]]):
+    """(llama.cpp name or None, (neutral name, tensor)) for each tensor to write: the parts of a fused one (``fuse``)
+    held until the last arrives, then concatenated along the rows; the others as they come (None: named by NAMES)."""
+    parts = {}  # neutral part -> (target, its index, how many)
+    for target, names in fuse.items():
+        for k, part in enumerate(names):
+            parts[part] = (target, k, len(names))
+    held: dict[str, dict[int, torch.Tensor]] = {}
+    for name, x in tensors:
+        m = _LAYER.match(name)
+        key = f"layers.{{i}}.{m.group(2)}" if m else name
+        if key not in parts:
+            yield None, (name, x)
+            continue
+        target, k, n = parts[key]
+        target = target.replace("{i}", m.group(1)) if m else target
+        held.setdefault(target, {})[k] = x
+        if len(held[target]) == n:
+            pieces = held.pop(target)
+            yield target, (name, torch.cat([pieces[j] for j in range(n)], dim=0))
+    if held:
+        raise ParityError(f"the parts of {', '.join(held)} are not all in the checkpoint")
+
+
 def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, adapter_dirs=(),
            inject: str | None = None) -> dict:
     """Write checkpoint ``path`` as the GGUF file ``out`` (with a catalogued mistake: ``inject``), its matrices
@@ -360,18 +392,20 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
         # tensor data goes to a file on disk as each tensor is added (gguf-py's own spooled temp file keeps the
         # first 256 MB in memory and copies it when it rolls over: twice the largest tensor, or more)
         writer.temp_file = spill = open(tmp / "tensors.spill", "w+b")
-        writer.add_name(f"{ckpt.path.name} (parity convert --to gguf)")
+        # the directory goes in general.basename, not general.name: llama.cpp sets token attributes by the name
+        # ("phi3" in it: it looks up "</s>", and a vocabulary without that token fails to load)
+        writer.add_name("parity convert --to gguf")
+        writer.add_basename(ckpt.path.name)
         writer.add_file_type(file_type)
         rope = _metadata(writer, manifest, spec)
         _add_vocabulary(writer, vocabulary(ckpt.path, manifest["vocab_size"]))
-        factors = _rope_freqs(rope or {})
-        if factors is not None:
-            writer.add_tensor("rope_freqs.weight", factors.numpy())
-        for name, x in tensors:
-            target = gguf_name(name)
+        for name, x in _rope_tensors(writer, rope or {}, spec).items():
+            writer.add_tensor(name, x.numpy())
+        for target, x in _fused(tensors, spec.fuse):
+            target = target or gguf_name(x[0])
             if target is None:
-                raise ParityError(f"{path}: neutral tensor {name} has no llama.cpp name in parity/ports/gguf/export.py")
-            data, raw = _encoded(x, matrix)
+                raise ParityError(f"{path}: neutral tensor {x[0]} has no llama.cpp name in parity/ports/gguf/export.py")
+            data, raw = _encoded(x[1], matrix)
             writer.add_tensor(target, data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

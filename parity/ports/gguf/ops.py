@@ -58,6 +58,9 @@ PROJECTIONS = {"Qcur": ("attn.q", "attn.q_rope"), "Kcur": ("attn.k", "attn.k_rop
 NORMED = {"Qcur_normed": "Qcur", "Kcur_normed": "Kcur"}
 # ops read as the input of a matmul with one of the file's weights (blk.N.<weight>), whatever the graph names it
 INPUTS = {"attn_output.weight": "attn.context", "ffn_down.weight": "mlp.act"}
+# graph tensors that hold a fused matmul's output (then with its bias added), by the file's fused weight: split
+# into the ops of the weight's parts (the adapter's [gguf] fuse), each as wide as the reference's op
+FUSED_NODES = {"attn_qkv.weight": ("wqkv", "wqkv_b"), "ffn_up.weight": ("ffn_up", "ffn_up_b")}
 # ops whose rows, within a head, are q's or k's
 ROWS = ("attn.q", "attn.k", "attn.q_norm", "attn.k_norm", "attn.q_rope", "attn.k_rope")
 ATTENTION_MAPS = ("attn.scores", "attn.probs")
@@ -112,8 +115,11 @@ class OpCapture:
     """The ops of one llama.cpp run: ``wants(node)`` when the callback asks, ``take(node)`` when it is computed;
     ``captured`` holds them as parity names them, laid out as docs/ops.md says."""
 
-    def __init__(self, rows: Callable[[int], torch.Tensor | None] | None):
+    def __init__(self, rows: Callable[[int], torch.Tensor | None] | None,
+                 fused: dict[str, list[str]] | None = None, width: Callable[[int, str], int] | None = None):
         self.rows = rows
+        self.fused = fused or {}  # graph tensor (FUSED_NODES) -> the ops it holds side by side
+        self.width = width        # width(layer, op): the reference's width of an op, to split a fused one
         self.notes: list[str] = []
         self.begin(0, 0)
 
@@ -129,8 +135,8 @@ class OpCapture:
         base, layer = split(node.name)
         if self._input_of(node) is not None:  # some builders leave the output projection unnamed ("node_32")
             return True
-        return layer is not None and (base in NAMED or base in PROJECTIONS or _scores_part(base)
-                                      or node.op == "SOFT_MAX")
+        return layer is not None and (base in NAMED or base in PROJECTIONS or base in self.fused
+                                      or _scores_part(base) or node.op == "SOFT_MAX")
 
     def take(self, node: Node) -> None:
         base, layer = split(node.name)
@@ -138,6 +144,8 @@ class OpCapture:
             pass
         elif node.op == "SOFT_MAX":
             self._softmax(node, layer)
+        elif base in self.fused:
+            self._split(node, self.fused[base], layer)
         elif base in PROJECTIONS:
             self._projection(node, base, layer)
         elif base in NAMED:
@@ -161,6 +169,19 @@ class OpCapture:
                 self._put(layer, after, node.read())
         elif (base, layer) not in self.projected:
             self._put(layer, before, node.read())
+
+    def _split(self, node: Node, parts: list[str], layer: int) -> None:
+        """A fused matmul's output [tokens, sum of widths]: each part's columns as its op."""
+        x = node.read()
+        if x is None or self.width is None or not self.tokens:
+            return
+        x = x.reshape(self.tokens, -1)
+        widths = [self.width(layer, op) for op in parts]
+        if sum(widths) != x.shape[-1]:
+            self._note(f"{', '.join(parts)}: llama.cpp's fused output is {x.shape[-1]} wide, not {sum(widths)}")
+            return
+        for op, part in zip(parts, x.split(widths, dim=-1)):
+            self._put(layer, op, part.contiguous())
 
     def _softmax(self, node: Node, layer: int) -> None:
         """attn.probs (the softmax's output) and attn.scores (its input rebuilt: see the module's docstring)."""
