@@ -354,6 +354,17 @@ class GGUFExport(_Strict):
     # reads embedding_scale, residual_scale, attention.scale and logit_scale (the logits DIVIDED by it: Granite)
     multipliers: bool = False
     nope_every: int = 0             # the architecture skips RoPE on every n-th layer, n fixed in llama.cpp (SmolLM3: 4)
+    # MoE layers (softmax-routed top-k SwiGLU experts, every layer): whether the architecture reads them, whether its
+    # graph divides the top-k weights by their sum (build_moe_ffn's norm_w, fixed per architecture, not read from the
+    # file), whether it reads the experts' width from expert_feed_forward_length (else feed_forward_length is it),
+    # and whether it adds one shared expert times sigmoid(ffn_gate_inp_shexp . x) (its width:
+    # expert_shared_feed_forward_length)
+    experts: bool = False
+    experts_renormalised: bool = False
+    expert_width_key: bool = False
+    shared_expert_gated: bool = False
+    # the architecture sizes attn_k_norm to the hidden width (llama.cpp's olmoe): no narrower (GQA) k-norm
+    k_norm_hidden_width: bool = False
     # llama.cpp graph tensors whose meaning in this architecture differs from parity/candidates/gguf.py's table:
     # {tensor name ({i}: the layer): capture point, or "" where it is none of them}; a name llama.cpp gives no
     # layer index may still map to "layers.{i}...": the layer of the indexed tensor computed before it
