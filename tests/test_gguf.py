@@ -250,6 +250,26 @@ def test_same_weights_of_an_f32_file_is_the_plain_check(tmp_path, released):
     assert report["reference"]["same_weights"]["types"] == {"F32": report["reference"]["same_weights"]["tensors"]}
 
 
+def test_same_weights_reads_stacked_experts_back(tmp_path, released):
+    """--same-weights on a MoE file: each layer's stacked experts are read back as the checkpoint's per-expert
+    tensors (117 tensors of the tiny qwen2_moe from 54 in the file) and judged one by one; an F32 file is then the
+    plain check, and a Q8_0 file says that the experts' rounded activations are not emulated."""
+    reference = released("qwen2_moe")
+    for qtype in ("F32", "Q8_0"):
+        out = tmp_path / f"{qtype}.gguf"
+        assert _cli("convert", reference, "--to", "gguf", "-o", out, "--gguf-type", qtype).exit_code == 0
+        result, report = _check(reference, out, tmp_path / f"{qtype}.json", "--same-weights")
+        held = report["reference"]["same_weights"]
+        assert held["tensors"] == 117 and sum(held["types"].values()) == 54 and held["not_a_quantization"] == {}
+        said = [w for w in report["warnings"] if "fused module" in w]
+        if qtype == "F32":
+            assert result.exit_code == 0, result.output
+            assert held["matmuls_not_emulated"] == [] and not said
+        else:
+            assert len(held["matmuls_not_emulated"]) == 3 * 3 and said  # gate, up, down of 3 layers
+            assert next(p for p in report["points"] if p["name"] == "layers.0.attn_in")["rel_l2"] < 1e-6
+
+
 def test_same_weights_is_refused_for_other_candidates(tmp_path, tiny_dir):
     result = CliRunner().invoke(cli, ["check", "--reference", str(tiny_dir("llama")), "--candidate",
                                       str(tiny_dir("llama")), "--same-weights"])
