@@ -22,7 +22,8 @@ GGUF_FAMILIES = sorted(f for f, a in ADAPTERS.items() if a.spec.gguf is not None
 # scaled ones "inp_scaled"; gemma2's MLP output is named without a layer index ("ffn_post_norm") and read as the
 # layer of the tensor before it
 NOT_NAMED = {"llama": set(), "qwen2": set(), "qwen3": set(), "gemma": set(), "gemma2": set(), "gemma3": set(),
-             "olmo2": {"attn_in", "mlp_in"}, "granite": set(), "smollm3": set(),
+             "olmo2": {"attn_in", "mlp_in"}, "granite": set(), "smollm3": set(), "qwen2_moe": set(),
+             "qwen3_moe": set(), "olmoe": set(), "mixtral": set(),
              # Command-R's MLP reads attention's norm (attn_norm): no norm of its own to name
              "cohere": {"mlp_in"}, "cohere2": {"mlp_in"},
              "phi3": {"mid"}}  # phi3's graph leaves the residual after attention unnamed
@@ -43,8 +44,8 @@ def _check(reference, candidate, report, *extra):
 
 
 def test_the_families_llama_cpp_runs():
-    assert GGUF_FAMILIES == ["cohere", "cohere2", "gemma", "gemma2", "gemma3", "granite", "llama", "olmo2", "phi3",
-                             "qwen2", "qwen3", "smollm3"]
+    assert GGUF_FAMILIES == ["cohere", "cohere2", "gemma", "gemma2", "gemma3", "granite", "llama", "mixtral", "olmo2",
+                             "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"]
 
 
 # The tiny checkpoints exercise every switch of a family; llama.cpp implements the released models: Qwen2.5 and
@@ -60,7 +61,18 @@ RELEASED = {"llama": {}, "qwen2": {"use_sliding_window": False, "rope_scaling": 
             "olmo2": {"attention_bias": False},  # OLMo 2 ships no attention biases (llama.cpp's olmo2 reads none)
             "granite": {}, "smollm3": {}, "cohere": {}, "cohere2": {},
             # Phi-4-mini: no sliding window (llama.cpp's phi3 ignores one: below)
-            "phi3": {"sliding_window": None}}
+            "phi3": {"sliding_window": None},
+            # the MoE families: llama.cpp's qwen2moe/qwen3moe read experts on every layer (no mlp_only_layers), and
+            # fix the top-k renormalisation (qwen2moe never, as Qwen1.5-MoE: norm_topk_prob false; qwen3moe always);
+            # OLMoE-1B-7B has no GQA (llama.cpp's olmoe sizes the k-norm to the hidden width) and no biases;
+            # Mixtral ships no sliding window (llama.cpp's llama has none)
+            "qwen2_moe": {"use_sliding_window": False, "rope_scaling": None, "norm_topk_prob": False,
+                          "mlp_only_layers": []},
+            "qwen3_moe": {"use_sliding_window": False, "rope_scaling": None, "attention_bias": False,
+                          "mlp_only_layers": []},
+            "olmoe": {"attention_bias": False, "num_key_value_heads": 4},
+            "mixtral": {"sliding_window": None}}
+MOE_FAMILIES = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +187,62 @@ def test_broken_twin_fails_where_its_bug_acts_and_is_named(family, bug, first, t
     assert report["diagnosis"][0]["bug"] == bug
 
 
+def _moe_twin(reference, out, layer: int, swap: str):
+    """A copy of the tiny qwen2_moe checkpoint ``reference`` with experts 0 and 1 of ``layer`` exchanged: their
+    router rows ("router"), their weights ("experts"), or both (the same model, its experts renumbered)."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    tensors = load_file(str(reference / "model.safetensors"))
+    prefix = f"model.layers.{layer}.mlp."
+    if swap in ("router", "both"):
+        tensors[prefix + "gate.weight"] = tensors[prefix + "gate.weight"][[1, 0, *range(2, 8)]].contiguous()
+    if swap in ("experts", "both"):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            a, b = f"{prefix}experts.0.{proj}.weight", f"{prefix}experts.1.{proj}.weight"
+            tensors[a], tensors[b] = tensors[b], tensors[a]
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text((reference / "config.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("swap,first", [("router", "layers.1.mlp_out"), ("experts", "layers.1.mlp_out"),
+                                        ("both", None)])
+def test_a_moe_gguf_with_experts_out_of_router_order_fails_at_that_layer(swap, first, tmp_path, released):
+    """The exporter stacks each layer's experts in the router's row order: a GGUF whose layer-1 router rows (or
+    experts) are exchanged routes tokens to other experts from layer 1 on (measured: layers.1.mlp_out rel_l2 0.40,
+    logits 0.16), while exchanging both renumbers the experts of the same model and passes (7.7e-7 there)."""
+    reference = released("qwen2_moe")
+    twin = _moe_twin(reference, tmp_path / "twin", 1, swap)
+    out = tmp_path / "twin.gguf"
+    assert _cli("convert", twin, "--to", "gguf", "-o", out).exit_code == 0
+    result, report = _check(reference, out, tmp_path / "r.json")
+    points = {p["name"]: p for p in report["points"]}
+    assert points["layers.0.out"]["rel_l2"] < 1e-5 and points["layers.1.mlp_in"]["rel_l2"] < 1e-5
+    if first is None:
+        assert result.exit_code == 0, result.output
+        assert points["logits"]["rel_l2"] < 1e-5
+    else:
+        assert result.exit_code == 1, result.output
+        assert report["first_divergence"]["point"] == first
+        assert points[first]["rel_l2"] > 1e-2
+
+
+@pytest.mark.parametrize("family,overrides,said", [
+    ("qwen2_moe", {"norm_topk_prob": True}, "(norm_topk_prob true); llama.cpp's qwen2moe never does"),
+    ("qwen3_moe", {"norm_topk_prob": False}, "(norm_topk_prob false); llama.cpp's qwen3moe always does"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "layers [1] hold a dense MLP between MoE layers"),
+    ("olmoe", {"num_key_value_heads": 2}, "llama.cpp's olmoe sizes it to the hidden width 64 (no GQA)")])
+def test_a_moe_block_llama_cpp_would_compute_otherwise_is_refused(family, overrides, said, tmp_path):
+    from parity.reference.tiny import build_model
+
+    reference = tmp_path / family
+    build_model(ADAPTERS[family], overrides={**RELEASED[family], **overrides}).save_pretrained(reference)
+    result = CliRunner().invoke(cli, ["convert", str(reference), "--to", "gguf", "-o", str(tmp_path / "x.gguf")])
+    assert result.exit_code == 2 and said in result.stderr, result.stderr
+    assert not (tmp_path / "x.gguf").exists()
+
+
 def test_a_mistake_a_gguf_file_cannot_carry_is_refused(tmp_path, released):
     result = CliRunner().invoke(cli, ["convert", str(released("llama")), "--to", "gguf", "-o",
                                       str(tmp_path / "x.gguf"), "--inject", "activation-swapped"])
@@ -217,6 +285,26 @@ def test_same_weights_of_an_f32_file_is_the_plain_check(tmp_path, released):
     assert report["reference"]["same_weights"]["types"] == {"F32": report["reference"]["same_weights"]["tensors"]}
 
 
+def test_same_weights_reads_stacked_experts_back(tmp_path, released):
+    """--same-weights on a MoE file: each layer's stacked experts are read back as the checkpoint's per-expert
+    tensors (117 tensors of the tiny qwen2_moe from 54 in the file) and judged one by one; an F32 file is then the
+    plain check, and a Q8_0 file says that the experts' rounded activations are not emulated."""
+    reference = released("qwen2_moe")
+    for qtype in ("F32", "Q8_0"):
+        out = tmp_path / f"{qtype}.gguf"
+        assert _cli("convert", reference, "--to", "gguf", "-o", out, "--gguf-type", qtype).exit_code == 0
+        result, report = _check(reference, out, tmp_path / f"{qtype}.json", "--same-weights")
+        held = report["reference"]["same_weights"]
+        assert held["tensors"] == 117 and sum(held["types"].values()) == 54 and held["not_a_quantization"] == {}
+        said = [w for w in report["warnings"] if "fused module" in w]
+        if qtype == "F32":
+            assert result.exit_code == 0, result.output
+            assert held["matmuls_not_emulated"] == [] and not said
+        else:
+            assert len(held["matmuls_not_emulated"]) == 3 * 3 and said  # gate, up, down of 3 layers
+            assert next(p for p in report["points"] if p["name"] == "layers.0.attn_in")["rel_l2"] < 1e-6
+
+
 def test_same_weights_is_refused_for_other_candidates(tmp_path, tiny_dir):
     result = CliRunner().invoke(cli, ["check", "--reference", str(tiny_dir("llama")), "--candidate",
                                       str(tiny_dir("llama")), "--same-weights"])
@@ -251,7 +339,7 @@ def test_a_vocabulary_that_splits_the_prompt_otherwise_is_reported(tmp_path, tin
     assert said and f"first different at position 0 (reference {ord('h')}, llama.cpp {ord('e')})" in said[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "cohere2"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "cohere2", *MOE_FAMILIES])
 def test_llama_cpp_decodes_with_its_own_cache(family, tmp_path, released):
     """--decode: the prompt, then 32 llama.cpp decode steps through its own KV cache (Gemma 3's sliding layers
     wrap during them), each step's points read through the eval callback."""

@@ -190,11 +190,20 @@ CASCADES = {  # measured on x86/AVX-512 with the 64-token default prompt; a diff
                          "layers pass",
     ("smollm3", "Q8_0"): "Q8_0 rounding cascade over 4 layers: layers.3.mlp_out rel_l2 1.12e-2 against plain 3.87e-2 "
                          "(3.45x); isolated layers pass",
+    ("cohere2", "Q8_0"): "Q8_0 rounding cascade over 4 layers: layers.3.mlp_out rel_l2 1.08e-2 against plain 3.24e-2 "
+                         "(3.0x; layer 0 is 27x to 143x closer); isolated layers pass",
     ("wide", "Q4_K_M"): "Q8_K rounding: layer 0's gate/up input (ffn_norm-0, rel_l2 3.4e-7 from llama.cpp's) puts one "
                         "of 16384 values across a Q8_K rounding boundary (rounded rel_l2 2.0e-4); down_proj then "
                         "2.6e-4 -> 1.4e-3 and layer 1 on; logits: rel_l2 9.36e-3 against plain 3.16e-2 (3.38x)",
 }
-MATRIX = [*((f, "Q8_0") for f in GGUF_FAMILIES),
+# The emulation rounds the inputs of the checkpoint's own projections; transformers runs a MoE layer's experts as
+# one fused module, so their inputs go unrounded (parity.ports.gguf.weights: matmuls_not_emulated) and the experts'
+# rounding stays in the comparison: measured on the tiny qwen2_moe in F16, isolated, layers.1.mlp_out rel_l2 5.3e-2
+# against both references (a routing flip), 166x the noise. The MoE families are left out until experts are emulated.
+# --same-weights refuses a file whose tensors fuse several of the checkpoint's (phi3's attn_qkv, ffn_up): not read
+# back yet, so those families are left out too
+EMULATED = [f for f in GGUF_FAMILIES if not ADAPTERS[f].spec.gguf.experts and not ADAPTERS[f].spec.gguf.fuse]
+MATRIX = [*((f, "Q8_0") for f in EMULATED),
           *(("llama", t) for t in ("F16", "Q4_0", "Q4_1", "Q4_K_M")),  # tiny Q4_K_M: Q5_0 and Q8_0 fallbacks
           *(("gemma", t) for t in ("F16", "Q4_0", "Q4_1")),            # GELU: ggml's f16 table emulated too
           ("wide", "Q4_K_M"), ("wide", "Q6_K")]                        # real K-quants: Q4_K, Q6_K x Q8_K
@@ -235,8 +244,8 @@ def test_a_correct_file_passes_closer_to_the_emulating_reference(source, qtype, 
 # Isolated, each reference layer restarts from llama.cpp's own input to it (the candidate cannot be fed: the
 # reference follows it), so a rounding boundary crossed in one layer no longer cascades through the next ones.
 # Every family in every type asked for; the K-quants on the wide checkpoints, whose rows their blocks fit.
-ISOLATED = [*((f, t) for f in GGUF_FAMILIES for t in ("F16", "Q8_0", "Q4_0", "Q4_1")),
-            *((f"wide-{f}", "Q4_K_M") for f in GGUF_FAMILIES)]
+ISOLATED = [*((f, t) for f in EMULATED for t in ("F16", "Q8_0", "Q4_0", "Q4_1")),
+            *((f"wide-{f}", "Q4_K_M") for f in EMULATED)]
 
 
 @pytest.mark.parametrize("source,qtype", ISOLATED)

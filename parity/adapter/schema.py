@@ -366,6 +366,17 @@ class GGUFExport(_Strict):
     # llama.cpp tensors written as neutral tensors concatenated along their rows, in order ({i}: the layer):
     # {"blk.{i}.ffn_up.weight": ["layers.{i}.mlp.gate.weight", "layers.{i}.mlp.up.weight"]}
     fuse: dict[str, list[str]] = {}
+    # MoE layers (softmax-routed top-k SwiGLU experts, every layer): whether the architecture reads them, whether its
+    # graph divides the top-k weights by their sum (build_moe_ffn's norm_w, fixed per architecture, not read from the
+    # file), whether it reads the experts' width from expert_feed_forward_length (else feed_forward_length is it),
+    # and whether it adds one shared expert times sigmoid(ffn_gate_inp_shexp . x) (its width:
+    # expert_shared_feed_forward_length)
+    experts: bool = False
+    experts_renormalised: bool = False
+    expert_width_key: bool = False
+    shared_expert_gated: bool = False
+    # the architecture sizes attn_k_norm to the hidden width (llama.cpp's olmoe): no narrower (GQA) k-norm
+    k_norm_hidden_width: bool = False
     # llama.cpp graph tensors whose meaning in this architecture differs from parity/candidates/gguf.py's table:
     # {tensor name ({i}: the layer): capture point, or "" where it is none of them}; a name llama.cpp gives no
     # layer index may still map to "layers.{i}...": the layer of the indexed tensor computed before it

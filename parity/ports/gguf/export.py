@@ -49,10 +49,24 @@ NAMES = {
     "layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate.weight",
     "layers.{i}.mlp.up.weight": "blk.{i}.ffn_up.weight",
     "layers.{i}.mlp.down.weight": "blk.{i}.ffn_down.weight",
+    "layers.{i}.moe.router.weight": "blk.{i}.ffn_gate_inp.weight",
+    "layers.{i}.moe.shared.gate.weight": "blk.{i}.ffn_gate_shexp.weight",
+    "layers.{i}.moe.shared.up.weight": "blk.{i}.ffn_up_shexp.weight",
+    "layers.{i}.moe.shared.down.weight": "blk.{i}.ffn_down_shexp.weight",
+    "layers.{i}.moe.shared_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
 }
+# a layer's experts, one neutral tensor each, are stacked into one [n_expert, rows, columns] tensor ({e}: the expert)
+EXPERTS = {
+    "layers.{i}.moe.experts.{e}.gate.weight": "blk.{i}.ffn_gate_exps.weight",
+    "layers.{i}.moe.experts.{e}.up.weight": "blk.{i}.ffn_up_exps.weight",
+    "layers.{i}.moe.experts.{e}.down.weight": "blk.{i}.ffn_down_exps.weight",
+}
+# matrices llama.cpp's converter and quantizer keep F32 whatever the file type: the routers (their logits pick experts)
+KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 TYPES = ("F32", "F16", "Q8_0")  # written by gguf-py; LLAMA_TYPES by llama.cpp from an F32 (or F16) file
 QUANTIZE_ROWS = 1024  # rows quantized to Q8_0 at a time, from float32
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)\.(.*)$")
 
 
 def gguf_name(name: str) -> str | None:
@@ -61,6 +75,22 @@ def gguf_name(name: str) -> str | None:
         return NAMES.get(name)
     out = NAMES.get(f"layers.{{i}}.{m.group(2)}")
     return out and out.replace("{i}", m.group(1))
+
+
+def expert_slot(name: str) -> tuple[str, int] | None:
+    """(the stacked llama.cpp tensor, the expert's index in it) of one expert's neutral tensor; None: not one."""
+    m = _EXPERT.match(name)
+    out = m and EXPERTS.get(f"layers.{{i}}.moe.experts.{{e}}.{m.group(3)}")
+    return (out.replace("{i}", m.group(1)), int(m.group(2))) if out else None
+
+
+def expert_names(name: str, count: int) -> list[str] | None:
+    """The neutral names of the ``count`` experts a stacked llama.cpp tensor holds, in order; None: not one."""
+    m = re.match(r"^blk\.(\d+)\.(.*)$", name)
+    for neutral, gguf in EXPERTS.items():
+        if m is not None and gguf == f"blk.{{i}}.{m.group(2)}":
+            return [neutral.replace("{i}", m.group(1)).replace("{e}", str(e)) for e in range(count)]
+    return None
 
 
 def neutral_name(name: str) -> str | None:
@@ -183,6 +213,46 @@ def _block(manifest: dict, spec) -> None:
             raise ParityError(f"layer {i}: attention and MLP run {ours}; llama.cpp's {spec.arch} runs them {theirs}")
 
 
+def _moe(manifest: dict, spec) -> dict | None:
+    """The one MoE block every layer holds, as llama.cpp's architecture computes it (None: a dense model); any
+    routing or expert convention it does not compute is refused, rather than written to run otherwise."""
+    arch = spec.arch
+    moes = [layer["mlp"]["moe"] for layer in manifest["layers"]]
+    if not any(moes):
+        return None
+    if not spec.experts:
+        raise ParityError(f"llama.cpp's {arch} has no MoE layers; this model has them")
+    dense = [i for i, m in enumerate(moes) if m is None]
+    if dense:
+        raise ParityError(f"layers {dense} hold a dense MLP between MoE layers; llama.cpp's {arch} reads experts on "
+                          f"every layer")
+    moe = _one(moes, "the MoE block", arch)
+    renormalised = spec.experts_renormalised
+    if moe["routing"] != "softmax":
+        raise ParityError(f"the router scores experts by {moe['routing']}; llama.cpp's {arch} by softmax")
+    if moe["renormalise"] != renormalised:
+        raise ParityError(f"the model {'divides' if moe['renormalise'] else 'does not divide'} the top-k routing "
+                          f"weights by their sum (norm_topk_prob {str(moe['renormalise']).lower()}); llama.cpp's "
+                          f"{arch} {'always does' if renormalised else 'never does'} (build_moe_ffn norm_w "
+                          f"{str(renormalised).lower()}), so its experts would be weighted otherwise")
+    unexpressed = [what for what, present in (
+        ("expert groups", moe["groups"] not in (None, 1)), ("a routing scale", moe["scale"] not in (None, 1.0)),
+        ("a router norm", moe["router_norm"] is not None),
+        ("a router input scale", moe["router_input_scale"] not in (None, 1.0)),
+        ("routing weights on the experts' input", moe["weights_input"]),
+        ("expert norms", any(moe[k] is not None for k in ("expert_norm", "expert_post_norm", "dense_post_norm"))),
+        (f"{moe['activation']} experts", moe["activation"] != "silu"),
+        ("a clamped or offset SwiGLU", (moe["glu_limit"], moe["glu_alpha"], moe["glu_up_offset"]) != (None, 1.0, 0.0)),
+        ("a shared expert", bool(moe["shared_experts"]) and not spec.shared_expert_gated),
+        ("no sigmoid-gated shared expert", spec.shared_expert_gated and (moe["shared_experts"], moe["shared_gate"])
+         != (1, True))) if present]
+    if unexpressed:
+        raise ParityError(f"the MoE block has {', '.join(unexpressed)}; llama.cpp's {arch} computes softmax top-k "
+                          f"SwiGLU experts" + (" plus one sigmoid-gated shared expert" if spec.shared_expert_gated
+                                               else "") + " only")
+    return moe
+
+
 def _metadata(writer, manifest: dict, spec) -> dict | None:
     """Write the hyperparameters llama.cpp reads; returns the RoPE of the (global) layers, for rope_freqs."""
     arch = spec.arch
@@ -191,9 +261,13 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     att = atts[0]
     _one([(a["heads"], a["kv_heads"], a["head_dim"]) for a in atts], "the heads or head_dim", arch)
     intermediate = _one([layer["mlp"]["intermediate_size"] for layer in layers], "the MLP width", arch)
-    if any(a["mla"] is not None for a in atts) or any(layer["mlp"]["moe"] for layer in layers):
-        raise ParityError(f"MLA and MoE layers are not written to GGUF yet (architecture {arch!r})")
+    if any(a["mla"] is not None for a in atts):
+        raise ParityError(f"MLA layers are not written to GGUF yet (architecture {arch!r})")
     _block(manifest, spec)
+    moe = _moe(manifest, spec)
+    if spec.k_norm_hidden_width and att["k_norm"] and att["kv_heads"] * att["head_dim"] != manifest["hidden_size"]:
+        raise ParityError(f"the k-norm is {att['kv_heads'] * att['head_dim']} wide ({att['kv_heads']} kv heads); "
+                          f"llama.cpp's {arch} sizes it to the hidden width {manifest['hidden_size']} (no GQA)")
     _multipliers(writer, manifest, spec)
     for i, a in enumerate(atts):
         if not spec.multipliers and abs(a["scale"] - a["head_dim"] ** -0.5) > 1e-9 * a["scale"]:
@@ -211,7 +285,15 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     writer.add_context_length(manifest["embedding"]["max_positions"])
     writer.add_embedding_length(manifest["hidden_size"])
     writer.add_block_count(manifest["num_layers"])
-    writer.add_feed_forward_length(intermediate)
+    # without an expert width of its own, the architecture reads the experts' from feed_forward_length
+    writer.add_feed_forward_length(intermediate if moe is None or spec.expert_width_key else moe["intermediate_size"])
+    if moe is not None:
+        writer.add_expert_count(moe["experts"])
+        writer.add_expert_used_count(moe["top_k"])
+        if spec.expert_width_key:
+            writer.add_expert_feed_forward_length(moe["intermediate_size"])
+        if spec.shared_expert_gated:
+            writer.add_expert_shared_feed_forward_length(moe["shared_intermediate_size"])
     writer.add_head_count(att["heads"])
     writer.add_head_count_kv(att["kv_heads"])
     writer.add_key_length(att["head_dim"])
@@ -299,18 +381,19 @@ def _add_vocabulary(writer, vocab: tuple[list, list] | None) -> None:
     writer.add_add_bos_token(False)
 
 
-def _encoded(x: torch.Tensor, matrix):
-    """A tensor's data as gguf-py takes it, matrices in type ``matrix`` and vectors F32: (data, its raw GGML type
-    for quantized data, else None)."""
+def _encoded(x: torch.Tensor, matrix, name: str = ""):
+    """A tensor's data as gguf-py takes it, matrices (and stacked experts) in type ``matrix``, vectors and routers
+    (KEPT_F32) F32: (data, its raw GGML type for quantized data, else None)."""
     import gguf
     import numpy as np
 
-    kind = matrix if x.dim() == 2 else gguf.GGMLQuantizationType.F32
+    kind = matrix if x.dim() >= 2 and not name.endswith(KEPT_F32) else gguf.GGMLQuantizationType.F32
     if kind == gguf.GGMLQuantizationType.Q8_0 and x.shape[-1] % 32:
         kind = gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of 32; llama.cpp's converter falls back too
     if kind == gguf.GGMLQuantizationType.Q8_0:
-        rows = [gguf.quants.quantize(part.float().numpy(), kind) for part in x.split(QUANTIZE_ROWS)]
-        return np.concatenate(rows), kind
+        rows = [gguf.quants.quantize(part.float().numpy(), kind) for part in x.reshape(-1, x.shape[-1]).split(QUANTIZE_ROWS)]
+        data = np.concatenate(rows)
+        return data.reshape(*x.shape[:-1], data.shape[-1]), kind
     return x.to(torch.float16 if kind == gguf.GGMLQuantizationType.F16 else torch.float32).numpy(), None
 
 
@@ -330,7 +413,7 @@ def _fused(tensors, fuse: dict[str, list[str]]):
             continue
         target, k, n = parts[key]
         target = target.replace("{i}", m.group(1)) if m else target
-        held.setdefault(target, {})[k] = x
+        held.setdefault(target, {})[k] = x.clone()  # the reader reuses its buffer for the next tensor
         if len(held[target]) == n:
             pieces = held.pop(target)
             yield target, (name, torch.cat([pieces[j] for j in range(n)], dim=0))
@@ -401,12 +484,26 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
         _add_vocabulary(writer, vocabulary(ckpt.path, manifest["vocab_size"]))
         for name, x in _rope_tensors(writer, rope or {}, spec).items():
             writer.add_tensor(name, x.numpy())
-        for target, x in _fused(tensors, spec.fuse):
-            target = target or gguf_name(x[0])
+        stacks: dict[str, dict[int, torch.Tensor]] = {}  # a layer's experts, until the last of them arrives
+        for target, (name, x) in _fused(tensors, spec.fuse):
+            slot = expert_slot(name) if target is None else None
+            if slot is not None:
+                target, e = slot
+                held = stacks.setdefault(target, {})
+                held[e] = x.clone()  # the reader reuses its buffer for the next tensor
+                if len(held) < manifest["layers"][int(name.split(".")[1])]["mlp"]["moe"]["experts"]:
+                    continue
+                x = torch.stack([held[k] for k in sorted(held)])
+                del stacks[target]
+            elif target is None:
+                target = gguf_name(name)
             if target is None:
-                raise ParityError(f"{path}: neutral tensor {x[0]} has no llama.cpp name in parity/ports/gguf/export.py")
-            data, raw = _encoded(x[1], matrix)
+                raise ParityError(f"{path}: neutral tensor {name} has no llama.cpp name in parity/ports/gguf/export.py")
+            data, raw = _encoded(x, matrix, target)
             writer.add_tensor(target, data, raw_dtype=raw)
+            del x, data
+        if stacks:
+            raise ParityError(f"{path}: experts missing from {', '.join(stacks)}")
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()  # copies the spill file into place, and closes it

@@ -33,7 +33,8 @@ pairs, and its GGUF files hold q/k rows permuted for it; they are put back in th
 
 Not exposed by llama.cpp's graph: MLA's compressed KV and its norm (named per architecture, not read here); the
 scores and probabilities with flash attention on (the candidate turns it off); a MoE layer's gate and up per
-expert (only the router's logits are read).
+expert (only the router's logits are read; its softmax over the experts is not attention's, and a shared expert's
+ffn_gate / ffn_up after the router are no mlp.gate / mlp.up).
 """
 
 from __future__ import annotations
@@ -130,25 +131,28 @@ class OpCapture:
         self.projected: set[tuple[str, int]] = set()  # projections whose RoPE or QK-Norm came: their op is read
         self.rotated: set[tuple[str, int]] = set()    # projections whose RoPE came
         self.kq: tuple[int, torch.Tensor] | None = None  # the last kq* tensor: the softmax's input
+        self.routed: set[int] = set()  # MoE layers: a gate or up after the router is a shared expert's, not an op
 
     def wants(self, node: Node) -> bool:
         base, layer = split(node.name)
         if self._input_of(node) is not None:  # some builders leave the output projection unnamed ("node_32")
             return True
         return layer is not None and (base in NAMED or base in PROJECTIONS or base in self.fused
-                                      or _scores_part(base) or node.op == "SOFT_MAX")
+                                      or _scores_part(base) or _attention_softmax(node, base))
 
     def take(self, node: Node) -> None:
         base, layer = split(node.name)
         if layer is None:
             pass
-        elif node.op == "SOFT_MAX":
+        elif _attention_softmax(node, base):
             self._softmax(node, layer)
         elif base in self.fused:
             self._split(node, self.fused[base], layer)
         elif base in PROJECTIONS:
             self._projection(node, base, layer)
-        elif base in NAMED:
+        elif base in NAMED and not (layer in self.routed and NAMED[base] in ("mlp.gate", "mlp.up")):
+            if NAMED[base] == "mlp.router":
+                self.routed.add(layer)
             if base in NORMED:
                 self.projected.add((NORMED[base], layer))
             self._put(layer, NAMED[base], node.read())
@@ -240,6 +244,11 @@ class OpCapture:
     def _note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+
+def _attention_softmax(node: Node, base: str) -> bool:
+    """A softmax of attention's (a MoE router's, ffn_moe_probs, is over the experts)."""
+    return node.op == "SOFT_MAX" and not base.startswith("ffn_")
 
 
 def _scores_part(base: str) -> bool:

@@ -26,7 +26,7 @@ import torch
 
 from parity.errors import ParityError
 from parity.ports.same_weights import EXACT, neutral_map, write_reference
-from parity.reference.arithmetic.ggml import OUTPUT, Arithmetic, block_mins
+from parity.reference.arithmetic.ggml import ACTIVATIONS, OUTPUT, Arithmetic, block_mins
 
 # rel_l2 of a quantized tensor against the checkpoint's beyond which it is not a quantization of it; measured on
 # Gaussian 64x256 weights with gguf-py's quantizers: Q8_0 5.4e-3, Q5_0 4.3e-2, Q5_1 3.8e-2, Q4_0 8.6e-2, Q4_1
@@ -53,7 +53,7 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
 
     from parity.checkpoint import stored_tensor_map
     from parity.neutral.converter import build_manifest, restyle_rope
-    from parity.ports.gguf.export import neutral_name
+    from parity.ports.gguf.export import expert_names, neutral_name
     from parity.ports.gguf.file import open_gguf
     from parity.storage.lazy import Dequantizer
 
@@ -70,7 +70,7 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     manifest = build_manifest(ckpt, torch.float32, spec.rope_style, check.prefix, hashes=False)
     by_neutral = neutral_map(stored_tensor_map(r, check))
     source_style = r["positions.rope_style"]
-    out_tensors, types, wrong, requantized, blocks = {}, {}, {}, {}, {}
+    out_tensors, types, wrong, requantized, blocks, unemulated = {}, {}, {}, {}, {}, []
     imatrix = any(key.startswith("quantize.imatrix") for key in reader.fields)  # its blocks depend on the data
     arithmetic = Arithmetic(gelu_table=r["mlp.activation"] == "gelu_tanh")
     originals = Dequantizer.of(ckpt)
@@ -78,38 +78,45 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue
-        name = neutral_name(tensor.name)
-        if name is None or name not in by_neutral:
-            raise ParityError(f"--same-weights: {path} holds {tensor.name}, which the {r.family} checkpoint has no "
-                              f"place for")
         kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
         types[kind] = types.get(kind, 0) + 1
-        hf_name, t = by_neutral[name]
-        layer = manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None
-
-        def to_checkpoint(x: torch.Tensor, name: str = name, layer: dict | None = layer) -> torch.Tensor:
-            """From the file's layout back to the checkpoint's."""
-            return x if layer is None else restyle_rope(name, x, layer, spec.rope_style, source_style)
-
         values = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.tensor_type))
         stored = torch.from_numpy(values.astype("float32")).reshape(tuple(reversed(tensor.shape.tolist())))
-        original = originals.read(hf_name, torch.float32)
-        # judged where the file's values are: the checkpoint's tensor written as the file should hold it
-        expected = original + 1.0 if t.norm_offset else original  # llama.cpp's file holds 1 + w
-        if layer is not None:
-            expected = restyle_rope(name, expected, layer, source_style, spec.rope_style)
-        error, differing = judged(stored, expected, kind, imatrix)
-        if differing == 0.0 and kind in REQUANTIZABLE and not imatrix:
-            requantized[kind] = requantized.get(kind, 0) + 1
-        if differing:  # a quantization, but not of the checkpoint's tensor: some other input was quantized
-            blocks[hf_name] = differing
-        if differing or not error <= band(kind):
-            wrong[hf_name] = error
-            x = original
-        else:
-            x = to_checkpoint(stored - 1.0 if t.norm_offset else stored)
-        out_tensors[hf_name] = x.contiguous()
-        if stored.dim() == 2 and name != "embed.tokens.weight":  # a matmul's weight (the embedding is a lookup)
+        # a layer's experts, stacked [n_expert, rows, columns]: each judged and read back as its own tensor
+        experts = expert_names(tensor.name, stored.shape[0]) if stored.dim() == 3 else None
+        for k, name in enumerate(experts or [neutral_name(tensor.name)]):
+            if name is None or name not in by_neutral:
+                raise ParityError(f"--same-weights: {path} holds {tensor.name}, which the {r.family} checkpoint has "
+                                  f"no place for")
+            hf_name, t = by_neutral[name]
+            layer = manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None
+
+            def to_checkpoint(x: torch.Tensor, name: str = name, layer: dict | None = layer) -> torch.Tensor:
+                """From the file's layout back to the checkpoint's."""
+                return x if layer is None else restyle_rope(name, x, layer, spec.rope_style, source_style)
+
+            one = stored[k] if experts else stored
+            original = originals.read(hf_name, torch.float32)
+            # judged where the file's values are: the checkpoint's tensor written as the file should hold it
+            expected = original + 1.0 if t.norm_offset else original  # llama.cpp's file holds 1 + w
+            if layer is not None:
+                expected = restyle_rope(name, expected, layer, source_style, spec.rope_style)
+            error, differing = judged(one, expected, kind, imatrix)
+            if differing == 0.0 and kind in REQUANTIZABLE and not imatrix:
+                requantized[kind] = requantized.get(kind, 0) + 1
+            if differing:  # a quantization, but not of the checkpoint's tensor: some other input was quantized
+                blocks[hf_name] = differing
+            if differing or not error <= band(kind):
+                wrong[hf_name] = error
+                x = original
+            else:
+                x = to_checkpoint(one - 1.0 if t.norm_offset else one)
+            out_tensors[hf_name] = x.contiguous()
+        if experts and ACTIVATIONS.get(kind):
+            # transformers runs a layer's experts as one fused module, not as the checkpoint's per-expert
+            # projections: their inputs go unrounded, and that rounding is left in the comparison
+            unemulated.append(tensor.name)
+        elif stored.dim() == 2 and tensor.name != "token_embd.weight":  # a matmul's weight (the embedding: a lookup)
             module = hf_name.removesuffix(".weight")
             arithmetic.matmuls[module] = kind
             mins = block_mins(tensor.data, kind)
@@ -120,6 +127,7 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     write_reference(ckpt, Path(out), out_tensors, arithmetic, untie="output.weight" in names)
     return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong,
             "requantized": requantized, "blocks_not_requantized": blocks, "importance_matrix": imatrix,
+            "matmuls_not_emulated": unemulated,
             "bands": {kind: band(kind) for kind in sorted(types) if kind not in REQUANTIZABLE or imatrix}}
 
 
