@@ -26,11 +26,21 @@ NOT_NAMED = {"llama": set(), "qwen2": set(), "qwen3": set(), "gemma": set(), "ge
              "qwen3_moe": set(), "olmoe": set(), "mixtral": set(),
              # Command-R's MLP reads attention's norm (attn_norm): no norm of its own to name
              "cohere": {"mlp_in"}, "cohere2": {"mlp_in"},
-             "phi3": {"mid"}}  # phi3's graph leaves the residual after attention unnamed
+             "phi3": {"mid"},  # phi3's graph leaves the residual after attention unnamed
+             # gptneox names attn_norm, ffn_norm, ffn_out (the MLP's, then again its sum with the layer's input) and
+             # l_out; its parallel block has no `mid` on either side
+             "gpt_neox": set(),
+             # phi2's MLP reads attention's norm (attn_norm), as Command-R's; stablelm's sequential block names all
+             "phi": {"mlp_in"}, "stablelm": set()}
 # llama.cpp's CPU GELU reads an f16 table (ggml-cpu vec.h, GGML_GELU_FP16): a GELU MLP's output differs by
 # rel_l2 ~3e-4 from the exact function (measured on the tiny Gemma: 3.0e-4 at layers.0.mlp_out, 5.0e-4 at most),
 # an engine approximation, not a port mistake; those families are judged at 1e-3.
-TOLERANCE = {f: ("--tolerance", "*:rel_l2=1e-3") for f in ("gemma", "gemma2", "gemma3")}
+# GPT-NeoX's exact (erf) GELU meets llama.cpp's tanh form through the same table (src/models/gptneox.cpp: LLM_FFN_GELU,
+# ggml_gelu): measured on the tiny GPT-NeoX 3.73e-4 at layers.0.mlp.act (the tanh form alone 1.9e-4, the table on it
+# 3.2e-4, both emulated in torch 3.7e-4), 4.2e-4 at most (layers.1.mlp_out), 2.5e-4 at the logits; Phi's tanh GELU
+# (gelu_new) meets the table only (src/models/phi2.cpp): 3.1e-4 at layers.0.mlp.act, 3.8e-4 at most (layers.1.mlp.act),
+# 2.1e-4 at the logits. Both judged at 1e-3 too.
+TOLERANCE = {f: ("--tolerance", "*:rel_l2=1e-3") for f in ("gemma", "gemma2", "gemma3", "gpt_neox", "phi")}
 
 
 def _cli(*args):
@@ -44,8 +54,9 @@ def _check(reference, candidate, report, *extra):
 
 
 def test_the_families_llama_cpp_runs():
-    assert GGUF_FAMILIES == ["cohere", "cohere2", "gemma", "gemma2", "gemma3", "granite", "llama", "mixtral", "olmo2",
-                             "olmoe", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"]
+    assert GGUF_FAMILIES == ["cohere", "cohere2", "gemma", "gemma2", "gemma3", "gpt_neox", "granite", "llama", "mixtral",
+                             "olmo2", "olmoe", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3",
+                             "stablelm"]
 
 
 # The tiny checkpoints exercise every switch of a family; llama.cpp implements the released models: Qwen2.5 and
@@ -71,7 +82,13 @@ RELEASED = {"llama": {}, "qwen2": {"use_sliding_window": False, "rope_scaling": 
             "qwen3_moe": {"use_sliding_window": False, "rope_scaling": None, "attention_bias": False,
                           "mlp_only_layers": []},
             "olmoe": {"attention_bias": False, "num_key_value_heads": 4},
-            "mixtral": {"sliding_window": None}}
+            "mixtral": {"sliding_window": None},
+            # Pythia: rotary_pct 0.25, parallel residual; the tiny one rotates half of each head
+            "gpt_neox": {"rotary_pct": 0.25},
+            # Phi-2: no q/k LayerNorms (llama.cpp's phi2 has none); StableLM 2 1.6B: q/k/v biases, the sequential
+            # block (the parallel one is StableLM 2 12B's, with per-head q/k norms parity does not map)
+            "phi": {"qk_layernorm": False},
+            "stablelm": {"use_parallel_residual": False, "partial_rotary_factor": 0.25}}
 MOE_FAMILIES = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 
 
@@ -171,7 +188,9 @@ TWINS = [("llama", "rope-permuted", "layers.0.attn_out"), ("llama", "rope-theta-
          ("gemma3", "rope-theta-wrong", "layers.0.attn_out"), ("olmo2", "norm-eps-wrong", "layers.0.attn_out"),
          ("olmo2", "rope-permuted", "layers.0.attn_out"), ("cohere", "logit-scale-dropped", "logits"),
          ("cohere", "norm-eps-wrong", "layers.0.attn_in"), ("cohere2", "rope-theta-wrong", "layers.0.attn_out"),
-         ("granite", "logit-scale-dropped", "logits")]
+         ("granite", "logit-scale-dropped", "logits"), ("gpt_neox", "norm-eps-wrong", "layers.0.attn_in"),
+         ("gpt_neox", "rope-theta-wrong", "layers.0.attn_out"), ("stablelm", "rope-theta-wrong", "layers.0.attn_out"),
+         ("phi", "norm-eps-wrong", "layers.0.attn_in")]
 
 
 @pytest.mark.parametrize("family,bug,first", TWINS)
@@ -400,3 +419,30 @@ def test_a_q8_0_file_passes_within_tolerances_measured_on_its_own_quantization(t
     assert all(p["noise"] > 1e-3 and p["noise_ratio"] < 2 for p in compared)  # docs/gguf.md: 1.0x to 1.3x
     assert report["candidate"]["quantization"]["types"]["Q8_0"] == 16
     assert 0.9 < report["logits"]["top1_agreement"] < 1.0  # Q8_0 flips near ties on these random weights
+
+
+@pytest.mark.parametrize("family,overrides,mid", [("gpt_neox", {"use_parallel_residual": False}, True),
+                                                  ("stablelm", {"use_parallel_residual": True}, False)])
+def test_the_other_block_of_a_family_runs_in_llama_cpp(family, overrides, mid, tmp_path):
+    """llama.cpp's gptneox reads use_parallel_residual (src/models/gptneox.cpp): a GPT-NeoX configured without the
+    parallel residual runs in sequence there too, `mid` read from ffn_inp; its stablelm runs a layer without
+    ffn_norm in parallel on attn_norm (src/models/stablelm.cpp), StableLM's parallel residual on one norm."""
+    from parity.reference.tiny import build_model
+
+    reference = tmp_path / family
+    build_model(ADAPTERS[family], overrides={**RELEASED[family], **overrides}).save_pretrained(reference)
+    out = tmp_path / "x.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", out).exit_code == 0
+    result, report = _check(reference, out, tmp_path / "r.json", *TOLERANCE.get(family, ()))
+    assert result.exit_code == 0, result.output
+    points = {p["name"]: p for p in report["points"]}
+    assert ("layers.0.mid" in points) == mid
+    if mid:
+        assert points["layers.0.mid"]["compared"] and points["layers.0.mid"]["rel_l2"] < 1e-5
+
+
+def test_a_convention_the_architecture_lacks_is_refused(tmp_path, tiny_dir):
+    """The tiny Phi normalises q and k (qk_layernorm), which llama.cpp's phi2 does not."""
+    result = CliRunner().invoke(cli, ["convert", str(tiny_dir("phi")), "--to", "gguf", "-o", str(tmp_path / "x.gguf")])
+    assert result.exit_code == 2 and "llama.cpp's phi2 has no q/k norms" in result.stderr, result.stderr
+    assert not (tmp_path / "x.gguf").exists()

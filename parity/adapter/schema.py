@@ -358,6 +358,15 @@ class GGUFExport(_Strict):
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"   # the kind of every norm, and the eps key it reads
     # attention and MLP read one norm's output and add to the layer's input together (Command-R's block)
     parallel: bool = False
+    # the architecture reads use_parallel_residual: attention and MLP on their own norms, added to the layer's input
+    # together (true), or in sequence (false), one for every layer (GPT-NeoX's block)
+    parallel_residual_key: bool = False
+    # a layer written without ffn_norm runs attention and MLP in parallel on attn_norm, one with it in sequence, each
+    # layer by its own tensors (StableLM: no metadata key)
+    parallel_by_norm: bool = False
+    # the MLP the architecture computes: "gated" (SwiGLU/GeGLU: ffn_gate, ffn_up, ffn_down) or "gelu" (ffn_up, a
+    # GELU, ffn_down: no gate)
+    mlp: Literal["gated", "gelu"] = "gated"
     nope_every: int = 0             # the architecture skips RoPE on every n-th layer, n fixed in llama.cpp (SmolLM3: 4)
     nope_global: bool = False       # it rotates q/k on its sliding-window layers only (Cohere 2)
     # LongRoPE as llama.cpp reads it: rope_factors_long / _short (divisors), rope.scaling.attn_factor and
@@ -375,6 +384,8 @@ class GGUFExport(_Strict):
     experts_renormalised: bool = False
     expert_width_key: bool = False
     shared_expert_gated: bool = False
+    # the architecture reads q/k norms (attn_q_norm, attn_k_norm) where the file has them; false: it has none
+    qk_norms: bool = True
     # the architecture sizes attn_k_norm to the hidden width (llama.cpp's olmoe): no narrower (GQA) k-norm
     k_norm_hidden_width: bool = False
     # llama.cpp graph tensors whose meaning in this architecture differs from parity/candidates/gguf.py's table:

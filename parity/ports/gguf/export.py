@@ -31,8 +31,11 @@ from parity.storage.jsonfile import read_json
 NAMES = {
     "embed.tokens.weight": "token_embd.weight",
     "final_norm.weight": "output_norm.weight",
+    "final_norm.bias": "output_norm.bias",
     "lm_head.weight": "output.weight",
+    "head.bias": "output.bias",
     "layers.{i}.attn_norm.weight": "blk.{i}.attn_norm.weight",
+    "layers.{i}.attn_norm.bias": "blk.{i}.attn_norm.bias",
     "layers.{i}.attn.q.weight": "blk.{i}.attn_q.weight",
     "layers.{i}.attn.q.bias": "blk.{i}.attn_q.bias",
     "layers.{i}.attn.k.weight": "blk.{i}.attn_k.weight",
@@ -44,11 +47,14 @@ NAMES = {
     "layers.{i}.attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
     "layers.{i}.attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
     "layers.{i}.mlp_norm.weight": "blk.{i}.ffn_norm.weight",
+    "layers.{i}.mlp_norm.bias": "blk.{i}.ffn_norm.bias",
     "layers.{i}.attn_post_norm.weight": "blk.{i}.post_attention_norm.weight",
     "layers.{i}.mlp_post_norm.weight": "blk.{i}.post_ffw_norm.weight",
     "layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate.weight",
     "layers.{i}.mlp.up.weight": "blk.{i}.ffn_up.weight",
+    "layers.{i}.mlp.up.bias": "blk.{i}.ffn_up.bias",
     "layers.{i}.mlp.down.weight": "blk.{i}.ffn_down.weight",
+    "layers.{i}.mlp.down.bias": "blk.{i}.ffn_down.bias",
     "layers.{i}.moe.router.weight": "blk.{i}.ffn_gate_inp.weight",
     "layers.{i}.moe.shared.gate.weight": "blk.{i}.ffn_gate_shexp.weight",
     "layers.{i}.moe.shared.up.weight": "blk.{i}.ffn_up_shexp.weight",
@@ -63,6 +69,7 @@ EXPERTS = {
 }
 # matrices llama.cpp's converter and quantizer keep F32 whatever the file type: the routers (their logits pick experts)
 KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+GELUS = ("gelu_exact", "gelu_tanh")  # llama.cpp's GELU stands for both (its CPU kernel: the tanh form, f16 table)
 TYPES = ("F32", "F16", "Q8_0")  # written by gguf-py; LLAMA_TYPES by llama.cpp from an F32 (or F16) file
 QUANTIZE_ROWS = 1024  # rows quantized to Q8_0 at a time, from float32
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -196,21 +203,37 @@ def _nope(manifest: dict, spec) -> None:
         raise ParityError(f"layers {nope or 'none'} apply no RoPE; llama.cpp's {spec.arch} skips it on {rule}")
 
 
-def _block(manifest: dict, spec) -> None:
-    """The layer's structure llama.cpp's architecture builds: its norm kind, and a parallel or sequential block."""
+def _block(manifest: dict, spec) -> bool | None:
+    """The layer's structure llama.cpp's architecture builds: its norm kind, its MLP (gated or a plain GELU), and a
+    parallel or sequential block. Returns use_parallel_residual where the architecture reads it (else None)."""
+    arch = spec.arch
     final = manifest["final_norm"]
     if final and final["kind"] != spec.norm:
-        raise ParityError(f"the final norm is a {final['kind']}; llama.cpp's {spec.arch} computes {spec.norm} only")
+        raise ParityError(f"the final norm is a {final['kind']}; llama.cpp's {arch} computes {spec.norm} only")
+    blocks = []
     for i, layer in enumerate(manifest["layers"]):
         kinds = {n["kind"] for n in layer["norms"].values() if n}
         if kinds - {spec.norm}:
-            raise ParityError(f"layer {i} has {', '.join(sorted(kinds))} norms; llama.cpp's {spec.arch} computes "
+            raise ParityError(f"layer {i} has {', '.join(sorted(kinds))} norms; llama.cpp's {arch} computes "
                               f"{spec.norm} only")
         mlp = layer["mlp"]
-        parallel = bool(mlp.get("parallel")) and bool(mlp.get("shared_norm"))
-        if parallel != spec.parallel:
-            ours, theirs = ("in parallel on one norm", "in sequence")[::1 if parallel else -1]
-            raise ParityError(f"layer {i}: attention and MLP run {ours}; llama.cpp's {spec.arch} runs them {theirs}")
+        if mlp["moe"] is None and spec.mlp == "gelu" and (mlp["gated"] or mlp["activation"] not in GELUS):
+            raise ParityError(f"layer {i}: the MLP is {'gated' if mlp['gated'] else 'plain'} {mlp['activation']}; "
+                              f"llama.cpp's {arch} computes a plain GELU MLP (no gate) only")
+        if mlp["moe"] is None and spec.mlp == "gated" and not mlp["gated"]:
+            raise ParityError(f"layer {i}: the MLP has no gate; llama.cpp's {arch} computes a gated MLP only")
+        block = ("sequence" if not mlp.get("parallel") else
+                 "parallel on one norm" if mlp.get("shared_norm") else "parallel on two norms")
+        blocks.append(block)
+        theirs = (("sequence", "parallel on two norms") if spec.parallel_residual_key else
+                  ("sequence", "parallel on one norm") if spec.parallel_by_norm else
+                  ("parallel on one norm",) if spec.parallel else ("sequence",))
+        if block not in theirs:
+            raise ParityError(f"layer {i}: attention and MLP run in {block}; llama.cpp's {arch} runs them in "
+                              f"{' or '.join(theirs)}")
+    if not spec.parallel_residual_key:
+        return None
+    return _one(blocks, "the parallel residual", arch) == "parallel on two norms"
 
 
 def _moe(manifest: dict, spec) -> dict | None:
@@ -263,8 +286,10 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     intermediate = _one([layer["mlp"]["intermediate_size"] for layer in layers], "the MLP width", arch)
     if any(a["mla"] is not None for a in atts):
         raise ParityError(f"MLA layers are not written to GGUF yet (architecture {arch!r})")
-    _block(manifest, spec)
+    parallel = _block(manifest, spec)
     moe = _moe(manifest, spec)
+    if not spec.qk_norms and any(a["q_norm"] or a["k_norm"] for a in atts):
+        raise ParityError(f"the model normalises q and k; llama.cpp's {arch} has no q/k norms")
     if spec.k_norm_hidden_width and att["k_norm"] and att["kv_heads"] * att["head_dim"] != manifest["hidden_size"]:
         raise ParityError(f"the k-norm is {att['kv_heads'] * att['head_dim']} wide ({att['kv_heads']} kv heads); "
                           f"llama.cpp's {arch} sizes it to the hidden width {manifest['hidden_size']} (no GQA)")
@@ -298,6 +323,8 @@ def _metadata(writer, manifest: dict, spec) -> dict | None:
     writer.add_head_count_kv(att["kv_heads"])
     writer.add_key_length(att["head_dim"])
     writer.add_value_length(att["head_dim"])
+    if parallel is not None:
+        writer.add_parallel_residual(parallel)
     if spec.norm == "layernorm":
         writer.add_layer_norm_eps(eps)
     else:
