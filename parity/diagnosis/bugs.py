@@ -494,7 +494,7 @@ CATALOG: list[Bug] = [
     Bug("longrope-long-factors-early", "LongRoPE's long factors applied to a sequence within "
         "original_max_position_embeddings (the set picked by the context allocated, not the sequence's length)",
         "LongRoPE rotating a short sequence with its long factors", "subtle",
-        "ggml-org/llama.cpp #24823 (PR #24875 not merged); lablup/mlxcel #1358",
+        "ggml-org/llama.cpp #24823; lablup/mlxcel #1358",
         lambda m: bool(_longropes(m)), _long_factors_early, short=True, op="attn.q_rope"),
     Bug("longrope-short-factors-late", "LongRoPE's short factors kept past original_max_position_embeddings (the set "
         "never switched, or picked by a context no longer than the original)",
