@@ -78,7 +78,8 @@ def run(families: list[str] | None = None, dtype: str | None = None,
             from parity.neutral.manifest import read_manifest
 
             manifest = read_manifest(neutral)
-            applicable = bugs.applicable(manifest)
+            applicable = bugs.applicable_at_width(
+                lambda width: manifest if width is None else read_manifest(tiny(family, width)[1]))
             cases = [(None, dtype or "float32", None, False)] + [
                 (b.id, dtype or b.dtype, b.width, False) for b in applicable if not b.decode]
             short = {b.id: _first_threshold(src) for b in applicable if b.short}

@@ -20,6 +20,7 @@ from parity.errors import ParityError
 Tensors = dict[str, torch.Tensor]
 
 BLOCK_POST = ("attn_post_norm", "mlp_post_norm")
+ADDED_FINAL_SOFTCAP = 30.0  # the cap ports add where a family has none: Gemma 2's (ollama/ollama PR #9692, Gemma 3)
 # where a mistake in every norm first shows: the attention's input norm, or, in a family without one (OLMo 2's
 # norms follow the sublayers), the query's full-width norm
 NORM_FIRST = ("attn.q_norm",)
@@ -336,6 +337,56 @@ def _short_factors_late(m: dict, t: Tensors) -> None:
         scaling["long_factor"] = list(scaling["short_factor"])
 
 
+def _scaled(m: dict) -> list[dict]:
+    """The layers' RoPE that carry a scaling."""
+    return [r for r in _ropes(m) if r.get("scaling")]
+
+
+def _rope_scaling_dropped(m: dict, t: Tensors) -> None:
+    for rope in _scaled(m):
+        rope["scaling"] = None
+
+
+def _scaling_on_other_layers(m: dict) -> bool:
+    """Some rotating layers scale their RoPE and others do not (Gemma 3: the global layers only)."""
+    ropes = list(_ropes(m))
+    return any(r.get("scaling") for r in ropes) and not all(r.get("scaling") for r in ropes)
+
+
+def _rope_scaling_swapped(m: dict, t: Tensors) -> None:
+    scaling = copy.deepcopy(next(r["scaling"] for r in _ropes(m) if r.get("scaling")))
+    for rope in _ropes(m):
+        rope["scaling"] = None if rope.get("scaling") else copy.deepcopy(scaling)
+
+
+def _partial(m: dict) -> list[dict]:
+    """RoPE over part of each head, whose frequencies do not hang on the rotated width (a scaling with one factor
+    per rotated pair, LongRoPE's, cannot be stretched to the full head)."""
+    return [r for r in _ropes(m) if r["rotary_dim"] < r["head_dim"]
+            and (r.get("scaling") or {}).get("rope_type") != "longrope"]
+
+
+def _partial_as_full(m: dict, t: Tensors) -> None:
+    for rope in _partial(m):
+        rope["rotary_dim"] = rope["head_dim"]
+
+
+def _final_softcap_added(m: dict, t: Tensors) -> None:
+    m["head"]["softcap"] = ADDED_FINAL_SOFTCAP
+
+
+def _embed_scale_added(m: dict, t: Tensors) -> None:
+    m["embedding"]["scale"] = float(m["hidden_size"]) ** 0.5
+
+
+def _embed_scale_rounded(m: dict, t: Tensors) -> None:
+    m["embedding"]["scale_dtype"] = "bfloat16"
+
+
+def _bf16_inexact(x: float) -> bool:
+    return float(torch.tensor(x, dtype=torch.bfloat16)) != x
+
+
 def _window_ignored(m: dict, t: Tensors) -> None:
     for _, att in _attention(m):
         att["sliding_window"] = None
@@ -353,6 +404,19 @@ def _temperature_dropped(m: dict, t: Tensors) -> None:
 
 def _moes(m: dict) -> list[dict]:
     return [layer["mlp"]["moe"] for layer in m["layers"] if layer["mlp"]["moe"] is not None]
+
+
+def _renormalisable(m: dict, renormalised: bool) -> list[dict]:
+    """MoE blocks whose top-k weights come from a softmax or sigmoid over every expert, renormalised or not
+    (norm_topk_prob): where the choice is the model's."""
+    return [moe for moe in _moes(m) if moe["routing"] in ("softmax", "sigmoid")
+            and bool(moe.get("renormalise")) == renormalised]
+
+
+def _renormalisation_flipped(m: dict, t: Tensors) -> None:
+    for moe in _moes(m):
+        if moe["routing"] in ("softmax", "sigmoid"):
+            moe["renormalise"] = not moe.get("renormalise")
 
 
 def _weights_moved(m: dict, t: Tensors) -> None:
@@ -469,6 +533,16 @@ CATALOG: list[Bug] = [
         "attention scaled by 1/sqrt(head_dim)", "subtle",
         "ggml-org/llama.cpp PR #8197, #8444, #13951; google/gemma_pytorch #71",
         lambda m: _has(m, lambda a: abs(a["scale"] - _plain_scale(a)) > 1e-9 * a["scale"]), _scale_wrong, op="attn.scores"),
+    Bug("final-softcap-added", f"a final logit softcap ({ADDED_FINAL_SOFTCAP:g}) where the family has none",
+        "logits capped where the model caps none", "subtle", "ollama/ollama PR #9692",
+        lambda m: bool(m["head"]) and not m["head"]["softcap"], _final_softcap_added),
+    Bug("embed-scale-added", "embeddings multiplied by sqrt(hidden) where the family does not scale them",
+        "embeddings scaled where the model scales none", "garbage at once", "no public instance found",
+        lambda m: m["embedding"]["scale"] == 1.0 and m["embedding"]["positions"] == "rope", _embed_scale_added),
+    Bug("embed-scale-rounded", "the embedding scale rounded to bfloat16 in a float32 run (sqrt(hidden) as bf16)",
+        "an embedding scale rounded to bfloat16", "subtle", "no public instance found",
+        lambda m: m["embedding"]["scale"] != 1.0 and _bf16_inexact(m["embedding"]["scale"]), _embed_scale_rounded,
+        width=96),
     Bug("embed-scale-dropped", "embeddings not multiplied by their scale (sqrt(hidden); Granite's multiplier)",
         "embeddings without their scale", "garbage at once",
         "vllm-project/vllm PR #48010",
@@ -491,6 +565,18 @@ CATALOG: list[Bug] = [
         "RoPE with a different base", "degrades on long prompts",
         "ggml-org/llama.cpp PR #2768, #2773; vllm-project/vllm PR #29111; stanford-crfm/levanter #649",
         lambda m: _has(m, lambda a: a["rope"] is not None), _theta_wrong, op="attn.q_rope"),
+    Bug("rope-scaling-dropped", "the config's RoPE scaling (linear, llama3, yarn, longrope, dynamic) not applied: "
+        "the plain frequencies", "RoPE without its scaling", "degrades on long prompts",
+        "lablup/mlxcel #1355, #1340; Blaizzy/mlx-vlm PR #1709",
+        lambda m: bool(_scaled(m)), _rope_scaling_dropped, op="attn.q_rope"),
+    Bug("rope-scaling-wrong-layers", "the RoPE scaling applied on the layer types that go without it, and not on "
+        "those that have it (Gemma 3: the global layers)", "RoPE scaled on the other layer type",
+        "degrades on long prompts", "ollama/ollama PR #13452",
+        _scaling_on_other_layers, _rope_scaling_swapped, op="attn.q_rope"),
+    Bug("partial-rotary-as-full", "RoPE over the whole head where the family rotates part of it "
+        "(partial_rotary_factor, rotary_dim)", "RoPE rotating every dimension of the head", "garbage at once",
+        "AI-Hypercomputer/maxtext PR #4742",
+        lambda m: bool(_partial(m)), _partial_as_full, op="attn.q_rope"),
     Bug("longrope-long-factors-early", "LongRoPE's long factors applied to a sequence within "
         "original_max_position_embeddings (the set picked by the context allocated, not the sequence's length)",
         "LongRoPE rotating a short sequence with its long factors", "subtle",
@@ -572,6 +658,14 @@ CATALOG: list[Bug] = [
         "their outputs", "the MoE block scaling its experts' input instead of weighting their outputs",
         "garbage at once", "no public instance found",
         lambda m: any(not moe.get("weights_input") for moe in _moes(m)), _weights_moved, op="mlp_out"),
+    Bug("moe-topk-renormalised", "the top-k routing weights divided by their sum (or a softmax taken over the "
+        "top-k logits only) where the family keeps them as they are (norm_topk_prob false)",
+        "the MoE block renormalising its top-k weights", "subtle", "QwenLM/Qwen3 #687",
+        lambda m: bool(_renormalisable(m, False)), _renormalisation_flipped, op="mlp_out"),
+    Bug("moe-topk-not-renormalised", "the top-k routing weights kept as they are where the family divides them by "
+        "their sum (norm_topk_prob true)", "the MoE block without its top-k renormalisation", "subtle",
+        "pytorch/torchtitan #1448",
+        lambda m: bool(_renormalisable(m, True)), _renormalisation_flipped, op="mlp_out"),
     # KV-cache mistakes: the prefill is right, decode steps are not
     Bug("decode-position-offset", "decode steps placed one position late (the new token counted twice)",
         "decode steps at positions shifted by one", "decode only", "no public instance found",
@@ -608,6 +702,20 @@ def applicable(manifest: dict) -> list[Bug]:
     return [b for b in CATALOG if b.applies(manifest)]
 
 
+def applicable_at_width(manifest_at: Callable[[int | None], dict]) -> list[Bug]:
+    """The bugs that apply to a family, each judged at its selftest's width (``manifest_at(width)``: the family's
+    manifest at that hidden size; None: the tiny one): a rounding that 64 leaves exact may show at 96."""
+    held: dict[int | None, dict] = {}
+    out = []
+    for b in CATALOG:
+        width = b.width
+        if width not in held:
+            held[width] = manifest_at(width)
+        if b.applies(held[width]):
+            out.append(b)
+    return out
+
+
 def inject(bug_id: str, manifest: dict, tensors: Tensors, families: dict[str, list[str]] | None = None
            ) -> tuple[dict, Tensors]:
     """A copy of (manifest, tensors) with the mistake applied; exit 2 if it does not apply."""
@@ -628,7 +736,6 @@ def families() -> dict[str, list[str]]:
 
     out: dict[str, list[str]] = {b.id: [] for b in CATALOG}
     for family, adapter in load_all().items():
-        manifest = tiny_manifest(adapter)
-        for b in applicable(manifest):
+        for b in applicable_at_width(lambda width: tiny_manifest(adapter, width)):
             out[b.id].append(family)
     return out

@@ -172,7 +172,7 @@ class _PerLayerEmbedding(StrictSpec):
 
 class _EmbeddingSpec(StrictSpec):
     scale: _Num
-    scale_dtype: Literal["model", "float32"]
+    scale_dtype: Literal["model", "float32", "bfloat16"]  # bfloat16: a port's mistake (bugs: embed-scale-rounded)
     positions: Literal["rope", "learned"]
     max_positions: Optional[_Pos]
     token_types: _Count

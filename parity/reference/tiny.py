@@ -125,8 +125,9 @@ def make_tiny(adapter: Adapter, out: Path, *, layers: int | None = None, seed: i
     return Path(out)
 
 
-def tiny_manifest(adapter: Adapter) -> dict:
-    """The neutral manifest of the family's tiny checkpoint, from its config alone (no weights built)."""
+def tiny_manifest(adapter: Adapter, width: int | None = None) -> dict:
+    """The neutral manifest of the family's tiny checkpoint (``width``: its hidden size widened), from its config
+    alone (no weights built)."""
     import tempfile
 
     import transformers
@@ -134,7 +135,7 @@ def tiny_manifest(adapter: Adapter) -> dict:
     from parity.checkpoint import open_checkpoint
     from parity.neutral.converter import build_manifest
 
-    architecture, kwargs = tiny_config(adapter)
+    architecture, kwargs = tiny_config(adapter, width=width)
     config = getattr(transformers, architecture).config_class(**kwargs).to_dict()
     config["architectures"] = [architecture]
     with tempfile.TemporaryDirectory() as tmp:

@@ -106,7 +106,8 @@ class NeutralModel:
         x = self.lookup("embed.tokens.weight", ids)                                   # [B, S, D]
         if e["scale"] != 1.0:
             # in the model dtype where the family does so (Gemma: sqrt(D) rounded to bf16 first)
-            scale = torch.tensor(e["scale"], dtype=self.dtype if e["scale_dtype"] == "model" else torch.float32)
+            dtype = {"model": self.dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[e["scale_dtype"]]
+            scale = torch.tensor(e["scale"], dtype=dtype)
             x = (x * scale).to(self.dtype)
         if e["positions"] == "learned":
             x = x + self.lookup("embed.positions.weight", positions)

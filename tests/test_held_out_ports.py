@@ -1,0 +1,66 @@
+"""Held-out ports that repeat porting bugs fixed in public engines (issue 33), as transformers candidates: the same
+weights, a config that differs from the reference's the way the engine's port did. The catalog never built these
+twins; the diagnosis has to name each from the candidate's numbers, in the mistake's direction (a softcap *added*
+is never called dropped)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from parity.checker.run import check
+from parity.reference.tiny import build_model
+from tests.conftest import ADAPTERS
+
+
+def _pair(tmp_path: Path, family: str, reference: dict, candidate: dict) -> tuple[Path, Path]:
+    """A tiny checkpoint of ``family`` (config overrides ``reference``) and a copy whose config.json differs by
+    ``candidate``."""
+    ref = tmp_path / "reference"
+    build_model(ADAPTERS[family], overrides=reference).save_pretrained(ref)
+    cand = tmp_path / "candidate"
+    shutil.copytree(ref, cand)
+    config = json.loads((cand / "config.json").read_text())
+    config.update(candidate)
+    (cand / "config.json").write_text(json.dumps(config))
+    return ref, cand
+
+
+# (family, the reference's config, the port's, the mistake it repeats)
+PORTS = [
+    # Llama 3.1's llama3 RoPE scaling not applied (lablup/mlxcel #1355): the tiny Llama scales with factor 8
+    ("llama", {}, {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+     "rope-scaling-dropped"),
+    # Qwen3-MoE's norm_topk_prob inverted (the top-k weights left unnormalised)
+    ("qwen3_moe", {"norm_topk_prob": True}, {"norm_topk_prob": False}, "moe-topk-not-renormalised"),
+    # OLMoE keeps its top-k weights as they are; a port that renormalises them (a softmax over the top-k only)
+    ("olmoe", {"norm_topk_prob": False}, {"norm_topk_prob": True}, "moe-topk-renormalised"),
+    # a Gemma 3 without a final softcap given one (ollama/ollama PR #9692)
+    ("gemma3", {"final_logit_softcapping": None}, {"final_logit_softcapping": 30.0}, "final-softcap-added"),
+]
+
+
+@pytest.mark.parametrize("family,reference,candidate,bug", PORTS, ids=[p[3] for p in PORTS])
+def test_a_held_out_port_is_named(family, reference, candidate, bug, tmp_path):
+    ref, cand = _pair(tmp_path, family, reference, candidate)
+    report = check(ref, cand, layerwise=True, calibrate=True)
+    assert not report  # exit 1
+    assert report.diagnosis[0]["bug"] == bug, report.diagnosis[:2]
+
+
+def test_the_same_config_is_clean(tmp_path):
+    ref, cand = _pair(tmp_path, "gemma3", {"final_logit_softcapping": None}, {})
+    assert check(ref, cand, layerwise=True, calibrate=True)
+
+
+def test_scaled_logits_fail_though_every_next_token_agrees(tmp_path):
+    """Granite's logits_scaling dropped (vllm-project/vllm #52158 in the issue): dividing the logits by 8 or not
+    leaves every argmax where it was, and the check still fails at the logits and names the mistake."""
+    ref, cand = _pair(tmp_path, "granite", {}, {"logits_scaling": 1.0})
+    report = check(ref, cand, layerwise=True, calibrate=True)
+    assert not report and report.first_divergence.name == "logits"
+    assert report.logits["top1_agreement"] == 1.0
+    assert report.diagnosis[0]["bug"] == "logit-scale-dropped"
