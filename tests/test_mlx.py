@@ -257,6 +257,8 @@ FINDINGS = [
     ("mistral", {"sliding_window": 16}, True, "layers.0.attn_out", "sliding-window-ignored"),
     ("qwen2", {"use_sliding_window": True}, True, "layers.1.attn_out", "sliding-window-ignored"),
     ("gemma3", {"final_logit_softcapping": 0.1}, True, "logits", "final-softcap-dropped"),
+    # sqrt(hidden) rounded to bfloat16 in a float32 run (mlx-lm gemma3_text.py); at hidden 96 it is 9.8125, not 9.798
+    ("gemma3", {"final_logit_softcapping": None, "hidden_size": 96}, True, "embed", "embed-scale-rounded"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, True, "layers.1.attn_out", "attn-scale-wrong"),
     # transformers 5 nests the RoPE base in rope_parameters; mlx-lm's olmo2 reads rope_theta only (default 10000)
     ("olmo2", {}, False, "layers.0.attn_out", "rope-theta-wrong"),
