@@ -410,7 +410,9 @@ def _renormalisable(m: dict, renormalised: bool) -> list[dict]:
     """MoE blocks whose top-k weights come from a softmax or sigmoid over every expert, renormalised or not
     (norm_topk_prob): where the choice is the model's."""
     return [moe for moe in _moes(m) if moe["routing"] in ("softmax", "sigmoid")
-            and bool(moe.get("renormalise")) == renormalised]
+            and bool(moe.get("renormalise")) == renormalised
+            # a norm over the weighted sum (Gemma 4's) cancels the per-token factor renormalising is
+            and moe.get("expert_post_norm") is None]
 
 
 def _renormalisation_flipped(m: dict, t: Tensors) -> None:
@@ -535,7 +537,10 @@ CATALOG: list[Bug] = [
         lambda m: _has(m, lambda a: abs(a["scale"] - _plain_scale(a)) > 1e-9 * a["scale"]), _scale_wrong, op="attn.scores"),
     Bug("final-softcap-added", f"a final logit softcap ({ADDED_FINAL_SOFTCAP:g}) where the family has none",
         "logits capped where the model caps none", "subtle", "ollama/ollama PR #9692",
-        lambda m: bool(m["head"]) and not m["head"]["softcap"], _final_softcap_added),
+        # where the logits are scaled down (Cohere's 0.0625, Granite's 1/8) a tiny model's logits sit far below the
+        # cap, which then changes nothing a check can tell from float32 noise: not catalogued there
+        lambda m: bool(m["head"]) and not m["head"]["softcap"] and m["head"].get("scale", 1.0) >= 1.0,
+        _final_softcap_added),
     Bug("embed-scale-added", "embeddings multiplied by sqrt(hidden) where the family does not scale them",
         "embeddings scaled where the model scales none", "garbage at once", "no public instance found",
         lambda m: m["embedding"]["scale"] == 1.0 and m["embedding"]["positions"] == "rope", _embed_scale_added),
