@@ -356,14 +356,11 @@ class GGUFExport(_Strict):
     # reads logit_scale and multiplies the logits by it (Command-R) or divides them (Granite); "": has none
     logit_scale: Literal["", "multiply", "divide"] = ""
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"   # the kind of every norm, and the eps key it reads
-    # attention and MLP read one norm's output and add to the layer's input together (Command-R's block)
-    parallel: bool = False
-    # the architecture reads use_parallel_residual: attention and MLP on their own norms, added to the layer's input
-    # together (true), or in sequence (false), one for every layer (GPT-NeoX's block)
-    parallel_residual_key: bool = False
-    # a layer written without ffn_norm runs attention and MLP in parallel on attn_norm, one with it in sequence, each
-    # layer by its own tensors (StableLM: no metadata key)
-    parallel_by_norm: bool = False
+    # the block the architecture builds: "sequential"; "parallel" (attention and MLP on one shared norm, added to
+    # the layer's input together: Command-R's, Phi-2's); "parallel_residual_key" (it reads use_parallel_residual:
+    # parallel on two norms, or sequential, one for every layer: GPT-NeoX's); "parallel_by_norm" (a layer written
+    # without ffn_norm runs parallel on attn_norm, one with it in sequence: StableLM's, no metadata key)
+    block: Literal["sequential", "parallel", "parallel_residual_key", "parallel_by_norm"] = "sequential"
     # the MLP the architecture computes: "gated" (SwiGLU/GeGLU: ffn_gate, ffn_up, ffn_down) or "gelu" (ffn_up, a
     # GELU, ffn_down: no gate)
     mlp: Literal["gated", "gelu"] = "gated"

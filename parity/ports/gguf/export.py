@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -69,6 +70,10 @@ EXPERTS = {
 }
 # matrices llama.cpp's converter and quantizer keep F32 whatever the file type: the routers (their logits pick experts)
 KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+# the layers each [gguf] block builds
+BLOCKS = {"sequential": ("sequence",), "parallel": ("parallel on one norm",),
+          "parallel_residual_key": ("sequence", "parallel on two norms"),
+          "parallel_by_norm": ("sequence", "parallel on one norm")}
 GELUS = ("gelu_exact", "gelu_tanh")  # llama.cpp's GELU stands for both (its CPU kernel: the tanh form, f16 table)
 TYPES = ("F32", "F16", "Q8_0")  # written by gguf-py; LLAMA_TYPES by llama.cpp from an F32 (or F16) file
 QUANTIZE_ROWS = 1024  # rows quantized to Q8_0 at a time, from float32
@@ -225,13 +230,10 @@ def _block(manifest: dict, spec) -> bool | None:
         block = ("sequence" if not mlp.get("parallel") else
                  "parallel on one norm" if mlp.get("shared_norm") else "parallel on two norms")
         blocks.append(block)
-        theirs = (("sequence", "parallel on two norms") if spec.parallel_residual_key else
-                  ("sequence", "parallel on one norm") if spec.parallel_by_norm else
-                  ("parallel on one norm",) if spec.parallel else ("sequence",))
-        if block not in theirs:
+        if block not in BLOCKS[spec.block]:
             raise ParityError(f"layer {i}: attention and MLP run in {block}; llama.cpp's {arch} runs them in "
-                              f"{' or '.join(theirs)}")
-    if not spec.parallel_residual_key:
+                              f"{' or '.join(BLOCKS[spec.block])}")
+    if spec.block != "parallel_residual_key":
         return None
     return _one(blocks, "the parallel residual", arch) == "parallel on two norms"
 
@@ -418,15 +420,17 @@ def _encoded(x: torch.Tensor, matrix, name: str = ""):
     if kind == gguf.GGMLQuantizationType.Q8_0 and x.shape[-1] % 32:
         kind = gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of 32; llama.cpp's converter falls back too
     if kind == gguf.GGMLQuantizationType.Q8_0:
-        rows = [gguf.quants.quantize(part.float().numpy(), kind) for part in x.reshape(-1, x.shape[-1]).split(QUANTIZE_ROWS)]
+        rows = [gguf.quants.quantize(part.float().numpy(), kind)
+                for part in x.reshape(-1, x.shape[-1]).split(QUANTIZE_ROWS)]
         data = np.concatenate(rows)
         return data.reshape(*x.shape[:-1], data.shape[-1]), kind
     return x.to(torch.float16 if kind == gguf.GGMLQuantizationType.F16 else torch.float32).numpy(), None
 
 
-def _fused(tensors, fuse: dict[str, list[str]]):
-    """(llama.cpp name or None, (neutral name, tensor)) for each tensor to write: the parts of a fused one (``fuse``)
-    held until the last arrives, then concatenated along the rows; the others as they come (None: named by NAMES)."""
+def _gathered(tensors, fuse: dict[str, list[str]], experts: Callable[[int], int]):
+    """(llama.cpp name, neutral name, tensor) for each tensor to write. One that gathers several is held until its
+    last part arrives: a fused one (``fuse``) has its parts' rows concatenated, a layer's experts are stacked
+    (``experts(layer)``: how many). The others come as they are, named by NAMES (llama.cpp name None)."""
     parts = {}  # neutral part -> (target, its index, how many)
     for target, names in fuse.items():
         for k, part in enumerate(names):
@@ -435,15 +439,19 @@ def _fused(tensors, fuse: dict[str, list[str]]):
     for name, x in tensors:
         m = _LAYER.match(name)
         key = f"layers.{{i}}.{m.group(2)}" if m else name
-        if key not in parts:
-            yield None, (name, x)
+        if key in parts:
+            target, k, n = parts[key]
+            target, join = (target.replace("{i}", m.group(1)) if m else target), torch.cat
+        elif (slot := expert_slot(name)) is not None:
+            (target, k), n, join = slot, experts(int(m.group(1))), torch.stack
+        else:
+            yield None, name, x
             continue
-        target, k, n = parts[key]
-        target = target.replace("{i}", m.group(1)) if m else target
-        held.setdefault(target, {})[k] = x.clone()  # the reader reuses its buffer for the next tensor
-        if len(held[target]) == n:
-            pieces = held.pop(target)
-            yield target, (name, torch.cat([pieces[j] for j in range(n)], dim=0))
+        group = held.setdefault(target, {})
+        group[k] = x.clone()  # the reader reuses its buffer for the next tensor
+        if len(group) == n:
+            del held[target]
+            yield target, name, join([group[j] for j in range(n)], dim=0)
     if held:
         raise ParityError(f"the parts of {', '.join(held)} are not all in the checkpoint")
 
@@ -511,26 +519,14 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
         _add_vocabulary(writer, vocabulary(ckpt.path, manifest["vocab_size"]))
         for name, x in _rope_tensors(writer, rope or {}, spec).items():
             writer.add_tensor(name, x.numpy())
-        stacks: dict[str, dict[int, torch.Tensor]] = {}  # a layer's experts, until the last of them arrives
-        for target, (name, x) in _fused(tensors, spec.fuse):
-            slot = expert_slot(name) if target is None else None
-            if slot is not None:
-                target, e = slot
-                held = stacks.setdefault(target, {})
-                held[e] = x.clone()  # the reader reuses its buffer for the next tensor
-                if len(held) < manifest["layers"][int(name.split(".")[1])]["mlp"]["moe"]["experts"]:
-                    continue
-                x = torch.stack([held[k] for k in sorted(held)])
-                del stacks[target]
-            elif target is None:
-                target = gguf_name(name)
+        experts = lambda i: manifest["layers"][i]["mlp"]["moe"]["experts"]  # noqa: E731
+        for target, name, x in _gathered(tensors, spec.fuse, experts):
+            target = target or gguf_name(name)
             if target is None:
                 raise ParityError(f"{path}: neutral tensor {name} has no llama.cpp name in parity/ports/gguf/export.py")
             data, raw = _encoded(x, matrix, target)
             writer.add_tensor(target, data, raw_dtype=raw)
             del x, data
-        if stacks:
-            raise ParityError(f"{path}: experts missing from {', '.join(stacks)}")
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()  # copies the spill file into place, and closes it
