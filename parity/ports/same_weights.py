@@ -21,7 +21,8 @@ def neutral_map(stored: dict, source: str = "GGUF") -> dict:
     for hf_name, t in stored.items():
         if len(t.neutral) != 1 or t.transpose or t.unstack or t.split is not None:
             raise ParityError(f"--same-weights: {hf_name} is split, fused or transposed on its way to the neutral "
-                              f"layout; reading it back from {source} is not supported")
+                              f"layout; reading it back from {source} is not supported (check without "
+                              f"--same-weights: the plain check compares the file against the checkpoint)")
         by_neutral[t.neutral[0]] = (hf_name, t)
     return by_neutral
 
