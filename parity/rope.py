@@ -93,7 +93,7 @@ def _llama3(rope: dict, scaling: dict, seq_len: int | None) -> tuple[torch.Tenso
     return torch.where(medium, blended, inv), 1.0
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -124,9 +124,9 @@ def _yarn(rope: dict, scaling: dict, seq_len: int | None) -> tuple[torch.Tensor,
     if attention is None:
         mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            attention = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+            attention = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
         else:
-            attention = _yarn_mscale(factor)
+            attention = yarn_mscale(factor)
 
     freqs = _powers(theta, r // 2, r)
     kept, interpolated = 1.0 / freqs, 1.0 / (factor * freqs)

@@ -18,13 +18,17 @@ from tests.conftest import ADAPTERS
 
 def _pair(tmp_path: Path, family: str, reference: dict, candidate: dict) -> tuple[Path, Path]:
     """A tiny checkpoint of ``family`` (config overrides ``reference``) and a copy whose config.json differs by
-    ``candidate``."""
+    ``candidate`` (a key ending in "+" updates the dict at that key instead of replacing it)."""
     ref = tmp_path / "reference"
     build_model(ADAPTERS[family], overrides=reference).save_pretrained(ref)
     cand = tmp_path / "candidate"
     shutil.copytree(ref, cand)
     config = json.loads((cand / "config.json").read_text())
-    config.update(candidate)
+    for key, value in candidate.items():  # "key+": merged into the dict the config holds there
+        if key.endswith("+"):
+            config[key[:-1]] = {**config[key[:-1]], **value}
+        else:
+            config[key] = value
     (cand / "config.json").write_text(json.dumps(config))
     return ref, cand
 
@@ -40,6 +44,15 @@ PORTS = [
     ("olmoe", {"norm_topk_prob": False}, {"norm_topk_prob": True}, "moe-topk-renormalised"),
     # a Gemma 3 without a final softcap given one (ollama/ollama PR #9692)
     ("gemma3", {"final_logit_softcapping": None}, {"final_logit_softcapping": 30.0}, "final-softcap-added"),
+    # Gemma 2's attention softcap on a Gemma 2 configured without one (transformers' Gemma 3 reads no such cap)
+    ("gemma2", {"attn_logit_softcapping": None}, {"attn_logit_softcapping": 50.0}, "attn-softcap-added"),
+    # a window on a model that attends globally (ggml-org/llama.cpp PR #13676: SWA on Phi-4), of a width the catalog
+    # does not inject (8): the diagnosis sizes it from where the error starts
+    ("mistral", {"sliding_window": None}, {"sliding_window": 12}, "sliding-window-added"),
+    # YaRN's attention factor collapsed to 1 (turboderp-org/exllamav3 #259): the tiny Qwen2's YaRN factor is 4
+    ("qwen2", {}, {"rope_parameters+": {"attention_factor": 1.0}}, "yarn-attention-factor-dropped"),
+    # DeepSeek's mscale / mscale_all_dim ignored, the default 0.1 ln(factor) + 1 used (sgl-project/sglang PR #22711)
+    ("deepseek_v3", {}, {"rope_parameters+": {"mscale": 0.0}}, "yarn-attention-factor-wrong"),
 ]
 
 

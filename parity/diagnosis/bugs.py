@@ -15,12 +15,18 @@ from typing import Callable, Iterator
 
 import torch
 
+from parity import rope as rope_math
 from parity.errors import ParityError
 
 Tensors = dict[str, torch.Tensor]
 
 BLOCK_POST = ("attn_post_norm", "mlp_post_norm")
 ADDED_FINAL_SOFTCAP = 30.0  # the cap ports add where a family has none: Gemma 2's (ollama/ollama PR #9692, Gemma 3)
+ADDED_ATTN_SOFTCAP = 50.0   # Gemma 2's attention cap, the one a port copies onto a family that has none
+# the window a port adds where a family has none: a hypothesis must bite on the selftest's short prompt, so it is
+# small; a real port's window (Mistral's 4096, the sliding_window Qwen2 configs carry switched off) shows only on a
+# prompt that long, where the diagnosis names its nearest hypothesis
+ADDED_SLIDING_WINDOW = 8
 # where a mistake in every norm first shows: the attention's input norm, or, in a family without one (OLMo 2's
 # norms follow the sublayers), the query's full-width norm
 NORM_FIRST = ("attn.q_norm",)
@@ -43,6 +49,9 @@ class Bug:
     op: str | None = None        # where inside a layer it first shows (docs/ops.md: attn.q_rope, attn_in, ...); None:
                                  # outside the layers (the embedding, the head) or only in decode steps
     also: tuple[str, ...] = ()   # other ops it may first show at, on some sides (below, where one is given)
+    # sizes the mistake from the position where a candidate's error starts (a window added: its width), where a
+    # diagnosis knows it; the selftest injects the catalog's size
+    sized: Callable[[dict, int], None] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,6 +384,93 @@ def _final_softcap_added(m: dict, t: Tensors) -> None:
     m["head"]["softcap"] = ADDED_FINAL_SOFTCAP
 
 
+def _attn_softcap_added(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["softcap"] = ADDED_ATTN_SOFTCAP
+
+
+def _window_added(m: dict, t: Tensors) -> None:
+    _window_sized(m, ADDED_SLIDING_WINDOW)
+
+
+def _window_sized(m: dict, width: int) -> None:
+    """A window of ``width`` keys: position ``width`` is the first that loses one, where the error starts."""
+    for _, att in _attention(m):
+        if att["causal"]:
+            att["sliding_window"] = width
+
+
+def _yarns(m: dict) -> Iterator[dict]:
+    """The layers' RoPE scaled by YaRN."""
+    return (r for r in _ropes(m) if (r.get("scaling") or {}).get("rope_type") == "yarn")
+
+
+YARN_ATTENTION_KEYS = ("attention_factor", "mscale", "mscale_all_dim")  # what sets YaRN's cos/sin factor
+
+
+def _yarn_attention(rope: dict, plain: bool = False) -> float:
+    """The factor YaRN scales cos and sin by; ``plain``: the default 0.1 ln(factor) + 1, as if the config set none
+    of YARN_ATTENTION_KEYS."""
+    if plain:
+        rope = {**rope, "scaling": {k: v for k, v in rope["scaling"].items() if k not in YARN_ATTENTION_KEYS}}
+    return rope_math.inv_freq(rope)[1]
+
+
+def _yarn_attention_dropped(m: dict, t: Tensors) -> None:
+    for rope in _yarns(m):
+        rope["scaling"]["attention_factor"] = 1.0
+
+
+def _yarn_attention_plain(m: dict, t: Tensors) -> None:
+    for rope in _yarns(m):
+        rope["scaling"]["attention_factor"] = _yarn_attention(rope, plain=True)
+
+
+def _mla_mscale(att: dict) -> float:
+    """The mscale ** 2 that MLA's softmax scale carries under YaRN with ``mscale_all_dim`` (DeepSeek: 0.1 *
+    mscale_all_dim * ln(factor) + 1, squared); 1 where it carries none."""
+    scaling = (att["rope"] or {}).get("scaling") or {}
+    if not att["mla"] or not scaling.get("mscale_all_dim") or scaling.get("rope_type", "default") == "default":
+        return 1.0
+    return rope_math.yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+
+
+def _mla_mscale_dropped(m: dict, t: Tensors) -> None:
+    for _, att in _attention(m):
+        att["scale"] /= _mla_mscale(att)
+
+
+def _head_width_rotary(m: dict) -> list[dict]:
+    """Unscaled RoPE over part of each head: the frequencies a port spaces by the head's width stay expressible."""
+    return [r for r in _ropes(m) if r["rotary_dim"] < r["head_dim"] and not r.get("scaling")]
+
+
+def _rotary_over_head_width(m: dict, t: Tensors) -> None:
+    for rope in _head_width_rotary(m):
+        # the first rotary_dim / 2 pairs turn, each (j, j + head_dim / 2) at theta ** (-2j / head_dim): Gemma 4's
+        # proportional RoPE at the family's partial factor
+        rope["scaling"] = {"rope_type": "proportional", "partial_rotary_factor": rope["rotary_dim"] / rope["head_dim"]}
+        rope["rotary_dim"] = rope["head_dim"]
+
+
+def _proportional(m: dict) -> list[dict]:
+    """Proportional RoPE whose turning pairs are fewer than the head's (Gemma 4's global layers)."""
+    return [r for r in _ropes(m) if (r.get("scaling") or {}).get("rope_type") == "proportional"
+            and r["scaling"].get("partial_rotary_factor", 1.0) < 1.0]
+
+
+def _proportional_contiguous(m: dict, t: Tensors) -> None:
+    for rope in _proportional(m):
+        scaling = rope["scaling"]
+        turning = int(scaling["partial_rotary_factor"] * rope["head_dim"] // 2)
+        # the same frequencies, theta ** (-2j / head_dim), but pairs (j, j + turning) inside the first 2 * turning
+        # dims: plain RoPE over 2 * turning dims with its base raised to 2 * turning / head_dim
+        rope["theta"] = rope["theta"] ** (2 * turning / rope["head_dim"])
+        rope["rotary_dim"] = 2 * turning
+        factor = scaling.get("factor", 1.0)
+        rope["scaling"] = {"rope_type": "linear", "factor": factor} if factor != 1.0 else None
+
+
 def _embed_scale_added(m: dict, t: Tensors) -> None:
     m["embedding"]["scale"] = float(m["hidden_size"]) ** 0.5
 
@@ -534,7 +630,17 @@ CATALOG: list[Bug] = [
     Bug("attn-scale-wrong", "1/sqrt(head_dim) used where `query_pre_attn_scalar` rules, or the reverse",
         "attention scaled by 1/sqrt(head_dim)", "subtle",
         "ggml-org/llama.cpp PR #8197, #8444, #13951; google/gemma_pytorch #71",
-        lambda m: _has(m, lambda a: abs(a["scale"] - _plain_scale(a)) > 1e-9 * a["scale"]), _scale_wrong, op="attn.scores"),
+        # MLA's scale under YaRN carries mscale ** 2 by design: that factor dropped is mla-softmax-mscale-dropped
+        lambda m: _has(m, lambda a: abs(a["scale"] / _mla_mscale(a) - _plain_scale(a)) > 1e-9 * a["scale"]),
+        _scale_wrong, op="attn.scores"),
+    Bug("mla-softmax-mscale-dropped", "MLA's softmax scale without the YaRN mscale ** 2 (0.1 * mscale_all_dim * "
+        "ln(factor) + 1, squared) that DeepSeek multiplies into it", "MLA's softmax scale without YaRN's mscale ** 2",
+        "subtle", "onnxruntime/mobius PR #548; huggingface/transformers PR #47435",
+        lambda m: _has(m, lambda a: _mla_mscale(a) != 1.0), _mla_mscale_dropped, op="attn.scores"),
+    Bug("attn-softcap-added", f"an attention logit softcap ({ADDED_ATTN_SOFTCAP:g}, Gemma 2's) where the family has "
+        "none", "attention scores capped where the model caps none", "subtle", "no public instance found",
+        lambda m: bool(m["layers"]) and not _has(m, lambda a: bool(a["softcap"])), _attn_softcap_added,
+        op="attn.scores"),
     Bug("final-softcap-added", f"a final logit softcap ({ADDED_FINAL_SOFTCAP:g}) where the family has none",
         "logits capped where the model caps none", "subtle", "ollama/ollama PR #9692",
         # where the logits are scaled down (Cohere's 0.0625, Granite's 1/8) a tiny model's logits sit far below the
@@ -582,6 +688,25 @@ CATALOG: list[Bug] = [
         "(partial_rotary_factor, rotary_dim)", "RoPE rotating every dimension of the head", "garbage at once",
         "AI-Hypercomputer/maxtext PR #4742",
         lambda m: bool(_partial(m)), _partial_as_full, op="attn.q_rope"),
+    Bug("partial-rotary-over-head-width", "partial RoPE with its frequencies and pairs spaced by the head's width: "
+        "theta ** (-2j / head_dim), pairs (j, j + head_dim / 2), where the family uses rotary_dim",
+        "partial RoPE spaced by the head's width instead of the rotated width", "degrades on long prompts",
+        "pie-project/pie #602, PR #603",
+        lambda m: bool(_head_width_rotary(m)), _rotary_over_head_width, op="attn.q_rope"),
+    Bug("proportional-rotary-as-contiguous", "proportional RoPE (pairs across the whole head, the tail's frequencies "
+        "0) rotated as a contiguous block: pairs (j, j + turning) inside the first 2 * turning dims",
+        "proportional RoPE paired inside its rotated block instead of across the head", "garbage at once",
+        "apple/coreai-models #66",
+        lambda m: bool(_proportional(m)), _proportional_contiguous, op="attn.q_rope"),
+    Bug("yarn-attention-factor-dropped", "YaRN's cos/sin factor (attention_factor, by default 0.1 ln(factor) + 1) "
+        "not applied", "YaRN without its attention factor on cos and sin", "subtle",
+        "turboderp-org/exllamav3 #259",
+        lambda m: any(_yarn_attention(r) != 1.0 for r in _yarns(m)), _yarn_attention_dropped, op="attn.q_rope"),
+    Bug("yarn-attention-factor-wrong", "YaRN's cos/sin factor computed as 0.1 ln(factor) + 1 where the config sets "
+        "it (attention_factor, or mscale / mscale_all_dim)", "YaRN with the default attention factor instead of "
+        "the config's", "subtle", "sgl-project/sglang PR #22711; vllm-project/vllm PR #46280",
+        lambda m: any(_yarn_attention(r) != _yarn_attention(r, plain=True) for r in _yarns(m)),
+        _yarn_attention_plain, op="attn.q_rope"),
     Bug("longrope-long-factors-early", "LongRoPE's long factors applied to a sequence within "
         "original_max_position_embeddings (the set picked by the context allocated, not the sequence's length)",
         "LongRoPE rotating a short sequence with its long factors", "subtle",
@@ -597,6 +722,11 @@ CATALOG: list[Bug] = [
         "vllm-project/vllm PR #5908, #2064; ggml-org/llama.cpp #3371, #3377, PR #8227, #7709, PR #13676; "
         "sgl-project/sglang PR #4823",
         lambda m: _has(m, lambda a: bool(a["sliding_window"])), _window_ignored, op="attn.scores"),
+    Bug("sliding-window-added", f"a sliding window (here {ADDED_SLIDING_WINDOW}) on layers that attend globally, "
+        "in a family with no windowed layer", "a sliding window where the model attends globally",
+        "degrades on long prompts", "ggml-org/llama.cpp PR #13676",
+        lambda m: not _has(m, lambda a: bool(a["sliding_window"])) and _has(m, lambda a: a["causal"]),
+        _window_added, op="attn.scores", sized=_window_sized),
     Bug("chunked-attention-as-full", "chunked-attention layers attend to every earlier key, across chunks",
         "chunked-attention layers attending across their chunks", "degrades on long prompts",
         "no public instance found",
@@ -721,15 +851,18 @@ def applicable_at_width(manifest_at: Callable[[int | None], dict]) -> list[Bug]:
     return out
 
 
-def inject(bug_id: str, manifest: dict, tensors: Tensors, families: dict[str, list[str]] | None = None
-           ) -> tuple[dict, Tensors]:
-    """A copy of (manifest, tensors) with the mistake applied; exit 2 if it does not apply."""
+def inject(bug_id: str, manifest: dict, tensors: Tensors, families: dict[str, list[str]] | None = None,
+           start: int | None = None) -> tuple[dict, Tensors]:
+    """A copy of (manifest, tensors) with the mistake applied; exit 2 if it does not apply. ``start``: the position
+    where the candidate's error starts, which sizes a mistake that has a size (Bug.sized)."""
     bug = get(bug_id)
     if not bug.applies(manifest):
         where = f" it applies to {', '.join(families[bug_id])}" if families else ""
         raise ParityError(f"bug {bug_id} does not apply to this {manifest['source']['family']} model;{where}")
     m, t = copy.deepcopy(manifest), dict(tensors)
     bug.inject(m, t)
+    if start and bug.sized:
+        bug.sized(m, start)
     m["injected"] = bug_id
     return m, t
 

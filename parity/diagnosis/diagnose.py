@@ -35,17 +35,21 @@ def _run(manifest: dict, tensors: dict, dtype: torch.dtype, ids: torch.Tensor, w
     return got
 
 
-def position_evidence(candidate: torch.Tensor, reference: torch.Tensor, tolerance: float) -> str:
-    """Where along the sequence the error starts (windows and RoPE mistakes start late)."""
+def error_start(candidate: torch.Tensor, reference: torch.Tensor, tolerance: float) -> int | None:
+    """The first position whose error exceeds ``tolerance``; None where none does or the sequence is too short to
+    tell (windows and RoPE mistakes start late)."""
     c, r = candidate.double()[0], reference.double()[0]                   # [S, ...]
     per = (c - r).flatten(1).norm(dim=1) / r.flatten(1).norm(dim=1).clamp_min(1e-30)
     bad = (per > tolerance).nonzero()
-    if len(bad) == 0 or c.shape[0] < 4:
+    return None if len(bad) == 0 or c.shape[0] < 4 else int(bad[0])
+
+
+def position_evidence(candidate: torch.Tensor, reference: torch.Tensor, tolerance: float) -> str:
+    """Where along the sequence the error starts, for the evidence ("" from position 0)."""
+    first = error_start(candidate, reference, tolerance)
+    if not first:
         return ""
-    first = int(bad[0])
-    if first == 0:
-        return ""
-    return f"; the error starts at position {first} of {c.shape[0]} (earlier positions agree)"
+    return f"; the error starts at position {first} of {candidate.shape[1]} (earlier positions agree)"
 
 
 def _one_layer(reference_dir: Path, layer: int, adapter_dirs) -> tuple[dict, dict] | None:
@@ -112,12 +116,13 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
         run = lambda m, t: _run(m, t, dtype, ids, wanted)  # noqa: E731
     baseline = _rel(candidate[point], reference[point])
     where = point.replace("layers.", "layer ").replace(".", " ")
+    start = error_start(candidate[point], reference[point], tolerance)
     scored = []
     for bug in bugs.applicable(manifest):
         if bug.decode:  # a cache mistake changes no prefill
             continue
         try:
-            m, t = bugs.inject(bug.id, manifest, tensors)
+            m, t = bugs.inject(bug.id, manifest, tensors, start=start)
         except KeyError:  # a mistake in tensors this layer does not read (the head, the embedding): not here
             continue
         got = run(m, t)

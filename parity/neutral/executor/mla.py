@@ -6,7 +6,8 @@ Keys and values come from one compressed vector per token:
 ``kv_a(x) = [c (kv_lora_rank) | k_rope (qk_rope_head_dim)]``; ``kv_b(kv_a_norm(c))`` gives per head
 ``[k_nope (qk_nope_head_dim) | v (v_head_dim)]``; ``k_rope`` is one head shared by all heads.
 Only the rope parts are rotated; ``k = [k_nope | rope(k_rope)]``, ``q = [q_nope | rope(q_rope)]``.
-``out = o(softmax(q k^T * scale + mask) v)``.
+``out = o(softmax(softcap(q k^T * scale) + mask) v)`` (no MLA model caps its scores; a manifest's cap is honoured
+as the other attention honours it, so an injected one is not silently dropped).
 
 Dtypes (the model dtype is x's): every projection and the attention matmuls run in the model dtype;
 the q_a / kv_a RMSNorms normalise in float32, cast to the model dtype, then multiply by the weight
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parity.neutral.executor.ops import norm
+from parity.neutral.executor.ops import norm, softcap
 
 
 def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask: Tensor | None,
@@ -39,7 +40,7 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
         x: [B, S, H] the attention input (after the block's pre-norm).
         w: the layer's tensors by neutral name (see the module docstring).
         spec: ``heads``, ``q_lora_rank`` (None: plain q projection), ``kv_lora_rank``,
-            ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``scale``,
+            ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``scale``, ``softcap`` (None: none),
             ``q_a_norm`` / ``kv_a_norm`` ({"eps": float}, optionally "weight_dtype": "model" |
             "float32"), ``rope_style`` ("half" | "interleaved").
         cos, sin: [S, rope] or [B, S, rope] in the half layout ``cat(freqs, freqs)`` whatever
@@ -82,7 +83,7 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
     if cache_kv is not None:
         k, v = cache_kv(k, v)                                             # [B, n, T, *]
 
-    scores = torch.matmul(q, k.transpose(2, 3)) * spec["scale"]     # [B, n, S, T] model dtype
+    scores = softcap(torch.matmul(q, k.transpose(2, 3)) * spec["scale"], spec.get("softcap"))  # [B, n, S, T]
     if mask is not None:
         scores = scores + mask.to(scores.dtype)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

@@ -24,7 +24,8 @@ OnPoint = Callable[[str, torch.Tensor], None]
 
 def mla_spec(att: dict) -> dict:
     """What mla.py needs of a layer's attention entry in the manifest."""
-    return {**att["mla"], "heads": att["heads"], "scale": att["scale"], "rope_style": att["rope"]["style"]}
+    return {**att["mla"], "heads": att["heads"], "scale": att["scale"], "softcap": att["softcap"],
+            "rope_style": att["rope"]["style"]}
 
 
 def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
