@@ -10,6 +10,9 @@ import re
 
 # Capture points, in forward order (docs/design.md, "Capture points").
 MODEL_POINTS_BEFORE = ("embed",)
+# the pseudo-point before them all: the token ids a candidate that records them (an engine dump) ran, compared
+# with the reference's before ``embed`` (parity.dumps.mistakes); never an activation
+INPUT_IDS = "input_ids"
 LAYER_POINTS = ("attn_in", "attn_out", "mid", "mlp_in", "mlp_out", "out")
 MODEL_POINTS_AFTER = ("final_norm", "logits")
 CAPTURE_POINTS = (
@@ -74,6 +77,8 @@ def point_order(name: str) -> tuple:
             if head in _LAYER_ORDER and (k == 2 or head in LAYER_POINTS):
                 return (1, int(index), _LAYER_ORDER.index(head), rest[len(head) + 1:])
         return (1, int(index), len(_LAYER_ORDER), rest)
+    if name == INPUT_IDS:
+        return (0, -1)
     if name in MODEL_POINTS_BEFORE:
         return (0, MODEL_POINTS_BEFORE.index(name))
     head, _, finer = name.partition(".")

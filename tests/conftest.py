@@ -194,7 +194,7 @@ FAST: set[str] = {
     "test_convert_without_torch.py", "test_deepseek_v3_variants.py", "test_design_table.py", "test_docs_commands.py",
     "test_dumps.py", "test_fp8.py", "test_gemma2_variants.py", "test_gemma3_variants.py", "test_gemma4_variants.py",
     "test_gemma_variants.py", "test_glm4_moe_variants.py", "test_gpt2_variants.py", "test_gpt_neox_variants.py",
-    "test_held_out_ports.py",
+    "test_held_out_ports.py", "test_input_ids.py",
     "test_layers.py", "test_layouts.py", "test_lengths.py",
     "test_moe_mla.py", "test_options.py", "test_properties.py", "test_readers.py", "test_real_configs.py",
     "test_render.py", "test_saved_buffers.py", "test_slices.py", "test_sliding_window.py", "test_spill.py",

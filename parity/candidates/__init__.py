@@ -39,6 +39,10 @@ and optionally::
                                                     # conversion the engine options ask for, as the runner's
     def arithmetic(out) -> object | None            # how its engine computes, as same_weights saved it in out
                                                     # (parity.reference.arithmetic); None: float32 as transformers
+    def check_ids(path, ids, ckpt) -> Found | None  # a candidate that records the token ids it ran (a dump): None
+                                                    # where they are the reference's ``ids``, the input mistake it
+                                                    # made (parity.dumps.mistakes.Found: a BOS doubled, ...), else
+                                                    # ParityError; asked before any side runs
 
 and one line in KINDS below (ENGINES: the kinds taken only when named). The check (parity.checker) depends only on this protocol: it never imports a kind's
 module, which is loaded on first use (an engine's Python bindings are imported only when its files are checked).
@@ -119,6 +123,7 @@ class Kind:
     arithmetic: Callable | None = None
     takes: str = ""
     generic: bool = False
+    check_ids: Callable | None = None
 
     @property
     def injects(self) -> bool:
@@ -142,7 +147,7 @@ def kinds() -> dict[str, Kind]:
                                    *(getattr(m, f, None) for f in ("validate", "shapes", "describe", "check_span",
                                                                    "make_decoder", "same_weights", "check_options",
                                                                    "arithmetic")), getattr(m, "TAKES", ""),
-                                   generic=getattr(m, "GENERIC", False))
+                                   generic=getattr(m, "GENERIC", False), check_ids=getattr(m, "check_ids", None))
     return {k.name: k for k in (_loaded[m] for m in KINDS + ENGINES)}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from parity.dumps import FileDump, dump_decoder, dump_runner, is_dump
+from parity.dumps import FileDump, dump_decoder, dump_runner, ids_mistake, is_dump
 from parity.dumps.tensor_parallel import RankDumps, is_rank_dir
 
 KIND = "dump"
@@ -28,3 +28,7 @@ def make_runner(candidate, ids, feed):
 
 def make_decoder(candidate, ids, tokens):
     return dump_decoder(candidate, ids, tokens, _dump(candidate.path))
+
+
+def check_ids(path, ids, ckpt):
+    return ids_mistake(Path(path), ids, ckpt, _dump(path))

@@ -88,6 +88,9 @@ class Plan:
     weights: Path | None         # the checkpoint a diagnosis re-runs: the reference, or a golden's --checkpoint
     adapter_dirs: tuple
     ops: bool = False            # operation-level points compared too (--points ops, a drill-down: docs/ops.md)
+    wrong_input: tuple | None = None  # (input k, parity.dumps.mistakes.Found): the candidate ran input k's ids in
+                                      # one of the ways ports do (a BOS doubled, ...); the check fails at input_ids
+                                      # and runs neither side
 
     @property
     def low(self) -> torch.dtype:
@@ -218,7 +221,20 @@ def make_plan(reference: Path, candidate: Path, options: CheckOptions, arithmeti
     weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
     return Plan(truth, side, dtype, o.layerwise or ops, isolate, calibrate, quantized, arithmetic, tolerances, inputs,
                 span, decode, generate, bool(stream), chosen and bool(stream), device, candidate_device, o.diagnose,
-                weights, tuple(adapter_dirs), ops)
+                weights, tuple(adapter_dirs), ops, wrong_input=_wrong_input(kind, Path(candidate), inputs, ckpt))
+
+
+def _wrong_input(kind: Kind, path: Path, inputs: tuple[Inputs, ...], ckpt) -> tuple | None:
+    """A candidate that records the ids it ran (a dump), against each input's: the first it ran in one of the ways
+    of parity.dumps.mistakes, as (k, what was found); None where it ran them all; ParityError where it ran another
+    input (no verdict)."""
+    if kind.check_ids is None:
+        return None
+    for k, given in enumerate(inputs):
+        found = kind.check_ids(path, given.ids, ckpt)
+        if found is not None:
+            return k, found
+    return None
 
 
 def _check_generic(ckpt, kind: Kind, candidate: Path, inject: str | None) -> None:

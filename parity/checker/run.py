@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from parity import candidates
+from parity import candidates, names
 from parity.checker.drill import drill
 from parity.checker.judge import merge
 from parity.checker.options import CheckOptions
@@ -32,7 +32,7 @@ from parity.checkpoint.lengths import exercised
 from parity.errors import ParityError
 from parity.reference.models import Models, first_device
 from parity.reference.structure import discover
-from parity.report import Report
+from parity.report import PointResult, Report, Tolerance
 
 
 def check(reference: Path, candidate: Path, options: CheckOptions | None = None, *,
@@ -65,6 +65,8 @@ def run(plan: Plan, *, progress: Callable[[str], None] | None = None,
     if plan.stream_chosen:
         say("the models do not fit in memory: streaming their weights a layer at a time")
     report = _new_report(plan)
+    if plan.wrong_input is not None:
+        return _wrong_input(plan, report)
     models = Models(plan.adapter_dirs, stream=plan.stream, device=plan.device,
                     candidate_device=plan.candidate_device)
     quantized = _quantization_weights(plan, models, report, say) if plan.quantized_noise else None
@@ -123,6 +125,27 @@ def _new_report(plan: Plan) -> Report:
         report.reference["quantization"] = {**q.to_json(), "dequantized_to": "float32",
                                             "dequantized_by": "parity, a layer at a time" if plan.stream
                                             else "transformers"}
+    return report
+
+
+def _wrong_input(plan: Plan, report: Report) -> Report:
+    """The candidate ran input k's ids in one of the ways ports do (parity.dumps.mistakes): the check fails at the
+    pseudo-point input_ids, before embed, and names the mistake; no activation is compared (they came from another
+    input). The point's max_abs is the number of positions holding another token; its other metrics are null."""
+    k, found = plan.wrong_input
+    nan = float("nan")
+    report.points = [PointResult(name=names.INPUT_IDS, max_abs=float(found.differing), mean_abs=nan, rel_l2=nan,
+                                 cosine=nan, tolerance=Tolerance(0.0, "the candidate runs the reference's token ids"),
+                                 passed=False, run=k)]
+    report.diagnosis = [found.diagnosis()]
+    report.inputs = {"runs": [{"source": inputs.source, "ids": inputs.ids[0].tolist(), "exercised": {},
+                               "verdict": "fail" if i == k else "not run",
+                               "first_divergence": names.INPUT_IDS if i == k else None,
+                               **({"candidate_ids": list(found.ran)} if i == k else {})}
+                              for i, inputs in enumerate(plan.inputs)]}
+    report.warnings.append(f"no activation was compared: the candidate ran other token ids than the reference "
+                           f"({found.bug}), so position by position its activations would be compared against "
+                           f"another input; run it on the ids of `parity inputs REFERENCE -o inputs.json`")
     return report
 
 

@@ -407,13 +407,18 @@ def demo_cmd(report_path):
 def bugs_cmd(as_json):
     """The porting-bug catalog: each mistake, the families it applies to, and how it shows.
 
-    Every id can be injected (`parity check --inject ID`) and is diagnosed by name when a check fails.
+    Every convention mistake can be injected (`parity check --inject ID`) and is diagnosed by name when a check
+    fails; the input mistakes after them (an engine dump that ran its ids with a BOS doubled, ...) are named from
+    the dump's ids.
     """
     from parity.diagnosis import bugs
+    from parity.dumps import mistakes
 
     families = bugs.families()
-    rows = [{"id": b.id, "mistake": b.mistake, "families": families[b.id], "shows": b.shows, "seen_in": b.seen_in,
-             "first_op": b.op, "also_at": list(b.also)} for b in bugs.CATALOG]
+    rows = [{"id": b.id, "kind": "convention", "mistake": b.mistake, "families": families[b.id], "shows": b.shows,
+             "seen_in": b.seen_in, "first_op": b.op, "also_at": list(b.also)} for b in bugs.CATALOG]
+    rows += [{"id": m.id, "kind": "input", "mistake": m.mistake, "families": ["all"], "shows": mistakes.SHOWS,
+              "seen_in": m.seen_in, "first_op": None, "also_at": []} for m in mistakes.MISTAKES]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return

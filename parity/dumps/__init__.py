@@ -5,8 +5,10 @@
 
 Tensors are named by capture point and shaped [batch, seq, hidden] (logits [batch, seq, vocab]), in any
 float dtype; the token ids the engine ran are JSON under the metadata key ``input_ids``. Every point is
-optional: those a dump lacks are listed as not compared. A dump whose ids differ from the reference's
-is refused (exit 2): its numbers would be compared against another input.
+optional: those a dump lacks are listed as not compared. A dump whose ids differ from the reference's in
+one of the ways ports do (a BOS doubled or dropped, the prompt shifted: parity.dumps.mistakes) fails at the
+pseudo-point ``input_ids``, named; any other difference is refused (exit 2): its numbers would be compared
+against another input.
 
 Decode steps (``check --decode N``): the tokens the engine was fed one at a time after the prompt, from its own
 KV cache, are JSON under ``decode_tokens`` (and their count under ``steps``), and each point's steps are one
@@ -28,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from parity import names
+from parity.dumps.mistakes import Found, bos_id, classify
 from parity.errors import ParityError
 from parity.storage import atomic
 from parity.storage.jsonfile import NOT_JSON
@@ -160,6 +163,24 @@ def _ids_of(dump) -> list[list[int]]:
     return parse_ids(raw, dump.path)
 
 
+def ids_mistake(path: Path, ids: torch.Tensor, ckpt, dump=None) -> Found | None:
+    """The dump's ``input_ids`` against the reference's ``ids``: None where they are the same; the input mistake
+    (parity.dumps.mistakes) where it ran them in one of the ways ports do; else ParityError: it ran another input,
+    and its numbers would be compared against something else (no verdict)."""
+    dump = dump or FileDump(path)
+    dumped, expected = _ids_of(dump), _rows(ids)
+    if dumped == expected:
+        return None
+    got, want = dumped[0], expected[0]
+    found = classify(got, want, bos_id(ckpt.config)) if len(dumped) == len(expected) == 1 else None
+    if found is not None:
+        return found
+    where = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    raise ParityError(f"--candidate {path}: its input ids differ from the reference's (the dump ran {len(got)} "
+                      f"tokens, the reference {len(want)}; first difference at position {where}); run the engine "
+                      f"on the ids of `parity inputs REFERENCE -o inputs.json`")
+
+
 def dump_runner(candidate, ids: torch.Tensor, feed, dump=None):
     """Replays a dump (``dump``, else the file at the candidate's path) as a candidate run: its points, in forward
     order, after checking its ids and shapes."""
@@ -169,13 +190,11 @@ def dump_runner(candidate, ids: torch.Tensor, feed, dump=None):
                           f"inputs; drop --isolate")
     dump = dump or FileDump(path)
     header = dump.header
-    dumped, expected = _ids_of(dump), _rows(ids)
-    if dumped != expected:
-        got, want = dumped[0], expected[0]
-        where = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        raise ParityError(f"--candidate {path}: its input ids differ from the reference's (the dump ran {len(got)} "
-                          f"tokens, the reference {len(want)}; first difference at position {where}); run the engine "
-                          f"on the ids of `parity inputs REFERENCE -o inputs.json`")
+    found = ids_mistake(candidate.path, ids, ckpt, dump)
+    if found is not None:  # the check names it before running anything (parity.checker.plan): a direct caller
+        raise ParityError(f"--candidate {path}: its input ids differ from the reference's: {found.evidence} "
+                          f"({found.bug}); run the engine on the ids of `parity inputs REFERENCE -o inputs.json`")
+    expected = _rows(ids)
     capture = {c.name for c in ckpt.resolved.capture}
     decoded = header.metadata.get(DECODE_TOKENS) is not None
     stored = [n for n in header.tensors if not (decoded and n.startswith(DECODE))]  # steps: dump_decoder's

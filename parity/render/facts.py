@@ -89,6 +89,9 @@ def why(p: PointResult, *, tol_word: str = "") -> str:
     """Why a point failed: 'rel_l2 3.10e-01 > 1.00e-05 (3100x the noise)', or the NaN/shape reason."""
     if p.nonfinite:
         return p.nonfinite
+    if p.name == names.INPUT_IDS:  # max_abs: the positions holding another token (parity.checker.run)
+        return (f"the candidate ran other token ids than the reference ({p.max_abs:.0f} positions differ); the "
+                f"activations were not compared")
     if not p.rel_l2 <= p.tolerance.rel_l2:
         return f"rel_l2 {sci(p.rel_l2)} > {tol_word}{sci(p.tolerance.rel_l2)}{noise_times(p)}"
     return "marked as failed"
@@ -96,7 +99,7 @@ def why(p: PointResult, *, tol_word: str = "") -> str:
 
 def needed(p: PointResult) -> str:
     """The smallest tolerance that would have passed the point ('' if none would)."""
-    if p.nonfinite or p.rel_l2 <= p.tolerance.rel_l2:
+    if p.nonfinite or not math.isfinite(p.rel_l2) or p.rel_l2 <= p.tolerance.rel_l2:
         return ""
     return f"rel_l2={sci_up(p.rel_l2)}"
 
