@@ -52,7 +52,7 @@ def test_the_catalog_is_designs_list():
     assert len([b for b in bugs.CATALOG if not b.decode]) == 53
     assert [b.id for b in bugs.CATALOG if b.decode] == ["decode-position-offset", "sliding-window-cache-off-by-one",
                                                         "kv-cache-wrong-layer", "decode-softcap-dropped",
-                                                        "kv-heads-order-swapped"]
+                                                        "longrope-switch-keeps-cache", "kv-heads-order-swapped"]
 
 
 def test_every_bug_applies_at_least_where_design_says():

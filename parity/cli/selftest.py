@@ -92,7 +92,8 @@ def run(families: list[str] | None = None, dtype: str | None = None,
                 prefill = check(src, neutral, dtype=case_dtype, layerwise=True, calibrate=True, inject=bug_id,
                                 length=short.get(bug_id))
                 report = prefill if not decoding else check(src, neutral, dtype=case_dtype, layerwise=True,
-                                                            calibrate=True, inject=bug_id, decode=DECODE_STEPS)
+                                                            calibrate=True, inject=bug_id, decode=DECODE_STEPS,
+                                                            length=short.get(bug_id))
                 logits = prefill.logits or {}  # what a port's usual final-output checks see: one forward
                 first = report.first_divergence
                 rows.append(Row(

@@ -817,6 +817,13 @@ CATALOG: list[Bug] = [
         "decode steps without the attention softcap", "decode only", "no public instance found",
         lambda m: decodes(m) and _has(m, lambda a: bool(a["softcap"])), _cache_policy(decode_softcap=False),
         decode=True),
+    Bug("longrope-switch-keeps-cache", "LongRoPE's factor set switched mid-sequence (a decode step past "
+        "original_max_position_embeddings) while the cache keeps the keys rotated with the short factors, where "
+        "the prefix is computed again", "decode steps past the LongRoPE switch attending to keys rotated with the "
+        "short factors", "decode only",
+        "huggingface/transformers PR #33129; microsoft/onnxruntime-genai PR #1161",
+        lambda m: decodes(m) and bool(_longropes(m)), _cache_policy(refill_on_rope_change=False), decode=True,
+        short=True),
     Bug("kv-heads-order-swapped", "cached kv heads stored in another order (GQA groups read the wrong head)",
         "cached keys and values with their kv heads reversed", "decode only", "no public instance found",
         lambda m: decodes(m) and _has(m, lambda a: a["mla"] is None and a["kv_shared_from"] is None

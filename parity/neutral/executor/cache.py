@@ -30,6 +30,9 @@ POLICY = {
     "layer_shift": 0,         # layer i writes its keys to slot (i + shift) mod layers; it always reads slot i
     "decode_softcap": True,   # the attention softcap applied in decode steps, as the prefill applies it
     "kv_head_order": "kept",  # "reversed": kv heads written in reverse order, so each GQA group reads another's
+    # a decode step whose length changes the RoPE tables (LongRoPE past its original length) computes the prefix
+    # again, as transformers' Phi-3 does; False: the cached keys stay rotated with the old tables
+    "refill_on_rope_change": True,
 }
 
 

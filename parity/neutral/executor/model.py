@@ -366,7 +366,8 @@ class NeutralModel:
         if not ropes:
             return False
         tables = [inv_freq(rope, cache.length + ids.shape[1])[0] for rope in ropes]
-        if cache.decoding and cache.tables is not None and not all(map(torch.equal, tables, cache.tables)):
+        if cache.decoding and cache.tables is not None and not all(map(torch.equal, tables, cache.tables)) \
+                and cache.policy["refill_on_rope_change"]:
             return True
         cache.tables = tables
         cache.ids = ids if cache.ids is None else torch.cat([cache.ids, ids], dim=1)
