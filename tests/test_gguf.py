@@ -358,6 +358,43 @@ def test_a_vocabulary_that_splits_the_prompt_otherwise_is_reported(tmp_path, tin
     assert said and f"first different at position 0 (reference {ord('h')}, llama.cpp {ord('e')})" in said[0]
 
 
+def test_a_file_that_adds_its_bos_otherwise_is_named(tmp_path, tiny_dir, monkeypatch):
+    """A checkpoint whose tokenizer puts BOS (id 1) before every text: the export tells llama.cpp to add it too
+    (tokenizer.ggml.add_bos_token), and llama.cpp then tokenizes the prompt as the reference does. A file that
+    says not to (as parity's exporter once wrote every file) makes a llama.cpp server run the prompt without its
+    BOS: the check names bos-dropped in a warning (it fed the reference's ids, so the verdict stands)."""
+    import shutil
+
+    from parity.ports.gguf import export as gguf_export
+
+    reference = tmp_path / "reference"
+    shutil.copytree(tiny_dir("llama"), reference)
+    tokenizer = json.loads((reference / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = {"type": "TemplateProcessing",
+                                   "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                              {"Sequence": {"id": "A", "type_id": 0}}],
+                                   "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                            {"Sequence": {"id": "A", "type_id": 0}},
+                                            {"Sequence": {"id": "B", "type_id": 1}}],
+                                   "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+    (reference / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert json.loads((reference / "config.json").read_text())["bos_token_id"] == 1
+
+    good = tmp_path / "good.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", good).exit_code == 0
+    _, report = _check(reference, good, tmp_path / "good.json", "--prompt", "hello parity")
+    assert report["inputs"]["runs"][0]["ids"][0] == 1  # the reference ran BOS first
+    assert not any("tokenizer" in w or "special tokens" in w for w in report["warnings"])
+
+    monkeypatch.setattr(gguf_export, "_leading_bos", lambda directory: None)
+    bad = tmp_path / "bad.gguf"
+    assert _cli("convert", reference, "--to", "gguf", "-o", bad).exit_code == 0
+    result, report = _check(reference, bad, tmp_path / "bad.json", "--prompt", "hello parity")
+    assert result.exit_code == 0
+    said = [w for w in report["warnings"] if "special tokens" in w]
+    assert said and "bos-dropped: llama.cpp ran no BOS token (id 1) before the prompt" in said[0], said
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3", "cohere2", *MOE_FAMILIES])
 def test_llama_cpp_decodes_with_its_own_cache(family, tmp_path, released):
     """--decode: the prompt, then 32 llama.cpp decode steps through its own KV cache (Gemma 3's sliding layers

@@ -273,8 +273,9 @@ class GGUFRun:
             llama_cpp.llama_batch_free(batch)
         return self.captured
 
-    def tokenize(self, text: str) -> list[int] | None:
-        """llama.cpp's own tokenization of ``text`` (no BOS added); None for a file without a vocabulary."""
+    def tokenize(self, text: str, special: bool = False) -> list[int] | None:
+        """llama.cpp's own tokenization of ``text``: no BOS added, or (``special``) the BOS the file says to add;
+        None for a file without a vocabulary."""
         llama_cpp = self.llama_cpp
         vocab = llama_cpp.llama_model_get_vocab(self.model)
         if llama_cpp.llama_vocab_type(vocab) == 0:  # LLAMA_VOCAB_TYPE_NONE
@@ -282,7 +283,7 @@ class GGUFRun:
         raw = text.encode()
         room = len(raw) + 16
         out = (llama_cpp.llama_token * room)()
-        n = llama_cpp.llama_tokenize(vocab, raw, len(raw), out, room, False, True)
+        n = llama_cpp.llama_tokenize(vocab, raw, len(raw), out, room, special, True)
         return list(out[:n]) if n >= 0 else None
 
     def close(self) -> None:
@@ -414,12 +415,19 @@ def _compare_tokenization(notes, ckpt, engine: GGUFRun, ids: list[int]) -> None:
         return
     from tokenizers import Tokenizer
 
+    from parity.checkpoint.inputs import leading_bos
+
     tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    bos = leading_bos(tokenizer)
+    ids = ids[1:] if bos is not None and ids[:1] == [bos] else ids  # the text's own ids, after the BOS added to it
     text = tokenizer.decode(ids, skip_special_tokens=False)
     if tokenizer.encode(text, add_special_tokens=False).ids != ids:
         return  # not the tokenization of a text (generated ids, --length): there is nothing to re-tokenize
     theirs = engine.tokenize(text)
-    if theirs is None or theirs == ids:
+    if theirs is None:
+        return
+    if theirs == ids:
+        _compare_bos(notes, ckpt, tokenizer, engine, text)
         return
     k = next((k for k, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
     got = theirs[k] if k < len(theirs) else "nothing"
@@ -427,6 +435,22 @@ def _compare_tokenization(notes, ckpt, engine: GGUFRun, ids: list[int]) -> None:
                f"for the reference's {len(ids)}, first different at position {k} (reference "
                f"{ids[k] if k < len(ids) else 'nothing'}, llama.cpp {got}); the check fed the reference's ids")
     notes.warn(warning)
+
+
+def _compare_bos(notes, ckpt, tokenizer, engine: GGUFRun, text: str) -> None:
+    """The same text with the specials each side adds to a text (the reference's tokenizer: its post-processor's;
+    llama.cpp: the file's add_bos_token): a BOS added twice or left out is an input mistake of the file
+    (parity.dumps.mistakes), named in a warning (the check fed the reference's ids)."""
+    from parity.dumps.mistakes import bos_id, classify
+
+    ours, theirs = tokenizer.encode(text).ids, engine.tokenize(text, special=True)
+    if theirs is None or theirs == ours:
+        return
+    found = classify(theirs, ours, bos_id(ckpt.config), runner="llama.cpp")
+    what = (f"{found.bug}: {found.evidence}" if found is not None else
+            f"{len(theirs)} ids for the reference's {len(ours)}, starting {theirs[:2]} for {ours[:2]}")
+    notes.warn(f"llama.cpp adds other special tokens to a text than the reference's tokenizer (the GGUF's "
+               f"tokenizer.ggml.add_bos_token): {what}; the check fed the reference's ids")
 
 
 def _order(name: str):

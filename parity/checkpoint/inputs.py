@@ -75,6 +75,13 @@ def check_length(ckpt: Checkpoint, n: int) -> None:
                           f"use a shorter --length")
 
 
+def leading_bos(tokenizer) -> int | None:
+    """The token id a ``tokenizers.Tokenizer`` puts before every text (its post-processor's BOS), or None where it
+    adds none: what an engine must add itself to run a text as the reference does."""
+    plain, full = tokenizer.encode("a", add_special_tokens=False).ids, tokenizer.encode("a").ids
+    return full[0] if len(full) == len(plain) + 1 and full[1:] == plain else None
+
+
 def _tokenize(ckpt: Checkpoint, prompt: str) -> list[int]:
     file = ckpt.path / "tokenizer.json"
     if not file.exists():

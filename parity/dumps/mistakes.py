@@ -59,9 +59,10 @@ def bos_id(config: dict) -> int | None:
     return None
 
 
-def classify(ran: list[int], reference: list[int], bos: int | None) -> Found | None:
+def classify(ran: list[int], reference: list[int], bos: int | None, runner: str = "the dump") -> Found | None:
     """The input mistake that turns ``reference`` into ``ran`` (one row of token ids each), or None where they
-    differ in another way (or not at all). ``bos``: the checkpoint's BOS id (None: no BOS mistake can be named)."""
+    differ in another way (or not at all). ``bos``: the checkpoint's BOS id (None: no BOS mistake can be named);
+    ``runner``: who ran ``ran``, for the evidence."""
     if ran == reference:
         return None
     n, m = len(ran), len(reference)
@@ -72,18 +73,18 @@ def classify(ran: list[int], reference: list[int], bos: int | None) -> Found | N
 
     if bos is not None and reference and reference[0] == bos:
         if n == m + 1 and ran[:2] == [bos, bos] and ran[1:] == reference:
-            return found("bos-doubled", f"the dump ran 2 BOS tokens (id {bos}) before the prompt; the reference 1 "
+            return found("bos-doubled", f"{runner} ran 2 BOS tokens (id {bos}) before the prompt; the reference 1 "
                                         f"({n} tokens for {m})")
         if ran == reference[1:]:
-            return found("bos-dropped", f"the dump ran no BOS token (id {bos}) before the prompt; the reference 1 "
+            return found("bos-dropped", f"{runner} ran no BOS token (id {bos}) before the prompt; the reference 1 "
                                         f"({n} tokens for {m})")
     if n == m > 1:
         if ran[1:] == reference[:-1]:
-            return found("prompt-shifted", f"the dump ran the reference's {m} ids one position to the right (its "
+            return found("prompt-shifted", f"{runner} ran the reference's {m} ids one position to the right (its "
                                            f"position k+1 holds the reference's k; it starts with id {ran[0]} and "
                                            f"drops the last, id {reference[-1]})")
         if ran[:-1] == reference[1:]:
-            return found("prompt-shifted", f"the dump ran the reference's {m} ids one position to the left (its "
+            return found("prompt-shifted", f"{runner} ran the reference's {m} ids one position to the left (its "
                                            f"position k holds the reference's k+1; it drops the first, id "
                                            f"{reference[0]}, and ends with id {ran[-1]})")
     return None

@@ -394,9 +394,27 @@ def _injected(bug: str, manifest: dict, tensors: dict[str, torch.Tensor], source
     return m, t
 
 
-def _add_vocabulary(writer, vocab: tuple[list, list] | None) -> None:
+def _leading_bos(directory: Path) -> int | None:
+    """The BOS the checkpoint's tokenizer adds to every text (parity.checkpoint.inputs.leading_bos): what llama.cpp
+    must add itself (``tokenizer.ggml.add_bos_token``) to run a text as the reference does; None without one."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    from parity.checkpoint.inputs import leading_bos
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception:  # an unreadable tokenizer.json is no vocabulary (vocabulary() says so)
+        return None
+    return leading_bos(tokenizer)
+
+
+def _add_vocabulary(writer, vocab: tuple[list, list] | None, bos: int | None) -> None:
     """The file's tokenizer: llama.cpp's byte-level BPE with the default pre-tokenizer (the check reports any other
-    tokenization), or "none" (parity feeds token ids; a file without a vocabulary says so)."""
+    tokenization), adding the BOS the checkpoint's tokenizer adds (``bos``) and no other, or "none" (parity feeds
+    token ids; a file without a vocabulary says so)."""
     import gguf
 
     if vocab is None:
@@ -407,7 +425,9 @@ def _add_vocabulary(writer, vocab: tuple[list, list] | None) -> None:
     writer.add_token_list(vocab[0])
     writer.add_token_types([gguf.TokenType.NORMAL] * len(vocab[0]))
     writer.add_token_merges(vocab[1])
-    writer.add_add_bos_token(False)
+    if bos is not None:
+        writer.add_bos_token_id(bos)
+    writer.add_add_bos_token(bos is not None)
 
 
 def _encoded(x: torch.Tensor, matrix, name: str = ""):
@@ -516,7 +536,7 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
         writer.add_basename(ckpt.path.name)
         writer.add_file_type(file_type)
         rope = _metadata(writer, manifest, spec)
-        _add_vocabulary(writer, vocabulary(ckpt.path, manifest["vocab_size"]))
+        _add_vocabulary(writer, vocabulary(ckpt.path, manifest["vocab_size"]), _leading_bos(ckpt.path))
         for name, x in _rope_tensors(writer, rope or {}, spec).items():
             writer.add_tensor(name, x.numpy())
         experts = lambda i: manifest["layers"][i]["mlp"]["moe"]["experts"]  # noqa: E731
