@@ -161,6 +161,7 @@ NODE_TIERS: dict[str, set[str]] = {
     "tests/test_interrupts.py::test_ctrl_c_ends_a_check_in_every_phase[the *": {"slow"},  # 6-7 s each
     "tests/test_interrupts.py::test_ctrl_c_ends_a_check_in_every_phase[a long generation]": {"slow"},
     "tests/test_interrupts.py::test_ctrl_c_ends_a_check_in_every_phase[writing the report]": {"slow"},
+    "tests/test_interrupts.py::test_a_signal_at_any_moment_ends_the_command[*": {"slow"},  # 10-40 s each
     "tests/test_moe_families.py::test_a_qwen3_moe_checkpoint_with_norm_topk_prob_flipped_fails_at_the_first_moe_mlp_out":
         {"slow"},  # 5 s
     # tests/test_onnx.py's `exported` starts all 32 exports on first use (two processes, in order: 14 families in

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 
+from parity import signals
 
-def _interruptible(*signals: int) -> None:
-    """These signals raise KeyboardInterrupt, which every command turns into exit code 130 with nothing written.
-    A shell starts a background job (`parity check ... &`, a CI step's child) with SIGINT ignored, and Python
-    keeps an inherited ignore: such a check would never stop. So SIGINT is set as this module loads, before the
-    heavy imports, as Python sets it for a foreground process; main() adds SIGTERM."""
-    if threading.current_thread() is threading.main_thread():
-        for number in signals:
-            signal.signal(number, signal.default_int_handler)
-
-
-_interruptible(signal.SIGINT)
+# the console script (parity/__main__.py) installed them before importing this module; for a caller who imports it
+# otherwise, they are installed here, before the imports below, which take seconds
+signals.install()
 try:  # an interrupt while the imports run ends like one during a command
     import json
     import tempfile
@@ -37,7 +28,7 @@ try:  # an interrupt while the imports run ends like one during a command
     from parity.errors import ParityError
 except KeyboardInterrupt:
     sys.stderr.write("parity: interrupted; nothing was written\n")
-    raise SystemExit(130) from None
+    raise SystemExit(signals.exit_code()) from None
 
 @click.group(cls=Group, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="parity")
@@ -495,12 +486,20 @@ for command in (report_group, golden_group, inputs_cmd):
 
 
 def main() -> None:
+    signals.install()  # again, in case the module was imported from another thread (where nothing is installed)
     try:
-        _interruptible(signal.SIGINT, signal.SIGTERM)
         cli(prog_name="parity")
     except KeyboardInterrupt:  # outside a command (while click parses, or at exit): the same contract
         click.echo("parity: interrupted; nothing was written", err=True)
-        sys.exit(130)
+        if signals.received is None:  # raised by no signal
+            sys.exit(signals.exit_code())
+        signals.leave()
+    except SystemExit as done:
+        if signals.received is None:
+            raise
+        if done.code != signals.exit_code():  # a signal whose interrupt something caught on its way up
+            click.echo("parity: interrupted; nothing was written", err=True)
+        signals.leave()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,4 @@
-"""What every ``parity`` command shares: the error contract (one line, exit code 2; 130 when interrupted), the
+"""What every ``parity`` command shares: the error contract (one line, exit code 2; 130 / 143 when interrupted), the
 options several commands take, and a check's progress display and outputs."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from parity import signals
 from parity.checker.options import CheckOptions, command_line
 from parity.errors import ParityError
 
@@ -29,7 +30,8 @@ class Failure(click.ClickException):
 
 
 class Interrupted(click.ClickException):
-    """Ctrl-C or SIGTERM: outputs are atomic, so nothing is left half-written; exit code 130 (128 + SIGINT)."""
+    """Ctrl-C or SIGTERM: outputs are atomic, so nothing is left half-written; exit code 128 + the signal (130 for
+    SIGINT, 143 for SIGTERM: parity.signals)."""
 
     exit_code = 130
 
@@ -62,7 +64,9 @@ class Group(click.Group):
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise  # click's own: --help/--version exit 0
         except KeyboardInterrupt:
-            raise Interrupted("interrupted") from None
+            interrupted = Interrupted("interrupted")
+            interrupted.exit_code = signals.exit_code()  # 130 for Ctrl-C, 143 for SIGTERM
+            raise interrupted from None
         except ParityError as exc:
             if debugging(ctx):
                 traceback.print_exc()

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from parity import signals
 from parity.errors import ParityError
 from parity.render import facts
 from parity.render.facts import verdict
@@ -205,6 +206,7 @@ def write(report: Report, path: Path, fmt: str | None = None) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would outlive the rename
+        signals.stop_if_received()  # a signal whose interrupt was caught on the way: never put in place
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

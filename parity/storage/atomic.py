@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from parity import signals
 from parity.errors import ParityError
 
 
@@ -24,8 +25,12 @@ def _tmp_prefix(out: Path) -> str:
 
 @contextmanager
 def _sigterm_as_exception() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so cleanup runs (main thread only)."""
+    """Turn SIGTERM into KeyboardInterrupt so cleanup runs (main thread only), where nothing handles it yet (a
+    library caller; the command line's handlers, parity.signals, already do)."""
     try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            yield
+            return
         previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     except ValueError:  # not the main thread
         yield
@@ -55,6 +60,7 @@ def output_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
     try:
         with _sigterm_as_exception():
             yield tmp
+            signals.stop_if_received()  # a signal whose interrupt was caught on the way: never put in place
             if out.exists():
                 old = Path(tempfile.mkdtemp(prefix=_tmp_prefix(out), dir=parent))
                 os.replace(out, old / out.name)
@@ -86,6 +92,7 @@ def output_file(out: Path, *, force: bool = False, companions: tuple[str, ...] =
     try:
         with _sigterm_as_exception():
             yield tmp
+            signals.stop_if_received()  # a signal whose interrupt was caught on the way: never put in place
             if not (tmp / out.name).is_file():
                 raise ParityError(f"{out}: nothing was written")
             for suffix in companions:
