@@ -43,6 +43,13 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill a child a failed assertion left running."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -66,9 +73,7 @@ def _interrupt(tmp_path: Path, args: list[str], target: str | None, stay: bool, 
         _, err = proc.communicate(timeout=30)
         took = time.monotonic() - sent
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     assert proc.returncode == 130, err
     assert took < 10, f"exited {took:.1f} s after SIGINT"
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "parity: interrupted; nothing was written", err
@@ -126,9 +131,7 @@ def _stop_at(args: list[str], out: Path, number: int, delay: float) -> tuple[int
         _, err = proc.communicate(timeout=60)
         took = time.monotonic() - sent
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     assert took < 15, f"exited {took:.1f} s after signal {number}"
     return proc.returncode, err
 

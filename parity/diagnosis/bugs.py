@@ -432,7 +432,7 @@ def _mla_mscale(att: dict) -> float:
     scaling = (att["rope"] or {}).get("scaling") or {}
     if not att["mla"] or not scaling.get("mscale_all_dim") or scaling.get("rope_type", "default") == "default":
         return 1.0
-    return rope_math.yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    return rope_math.yarn_mscale(scaling.get("factor") or 1.0, scaling["mscale_all_dim"]) ** 2
 
 
 def _mla_mscale_dropped(m: dict, t: Tensors) -> None:

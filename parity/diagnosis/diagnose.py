@@ -44,12 +44,11 @@ def error_start(candidate: torch.Tensor, reference: torch.Tensor, tolerance: flo
     return None if len(bad) == 0 or c.shape[0] < 4 else int(bad[0])
 
 
-def position_evidence(candidate: torch.Tensor, reference: torch.Tensor, tolerance: float) -> str:
-    """Where along the sequence the error starts, for the evidence ("" from position 0)."""
-    first = error_start(candidate, reference, tolerance)
+def position_evidence(first: int | None, length: int) -> str:
+    """Where along the sequence the error starts (``error_start``'s), for the evidence ("" from position 0)."""
     if not first:
         return ""
-    return f"; the error starts at position {first} of {candidate.shape[1]} (earlier positions agree)"
+    return f"; the error starts at position {first} of {length} (earlier positions agree)"
 
 
 def _one_layer(reference_dir: Path, layer: int, adapter_dirs) -> tuple[dict, dict] | None:
@@ -132,7 +131,7 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
                                                                if final in got and final in wanted else []))
         if any(consistent(op, drilldown) for op in (bug.op, *bug.also)):
             scored.append((residual, bug))
-    evidence_tail = position_evidence(candidate[point], reference[point], tolerance)
+    evidence_tail = position_evidence(start, candidate[point].shape[1])
     if drilldown is not None and drilldown.get("first"):
         evidence_tail += f"; drilled down: {drilldown['summary']}"
     return _named(scored, baseline, where, evidence_tail)

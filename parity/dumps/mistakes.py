@@ -31,19 +31,17 @@ MISTAKES = (
                                    "to the left of the reference's",
                  "no public instance found"),
 )
-BY_ID = {m.id: m for m in MISTAKES}
 SHOWS = "fails at input_ids, before embed (a dump's ids)"   # how each shows, for `parity bugs`
 
 
 @dataclass(frozen=True)
 class Found:
-    """An input mistake found in the ids a candidate ran: its id, one line of evidence, and how many of the
-    positions (of the longer of the two) hold another token than the reference's."""
+    """An input mistake found in the ids a candidate ran: its id, one line of evidence, and how many positions (of
+    the longer of the two) hold another token than the reference's."""
 
     bug: str
     evidence: str
     differing: int
-    positions: int
     ran: tuple[int, ...]     # the ids the candidate ran
 
     def diagnosis(self) -> dict:
@@ -69,7 +67,7 @@ def classify(ran: list[int], reference: list[int], bos: int | None, runner: str 
     differing = sum(a != b for a, b in zip(ran, reference)) + abs(n - m)
 
     def found(bug: str, evidence: str) -> Found:
-        return Found(bug, evidence, differing, max(n, m), tuple(ran))
+        return Found(bug, evidence, differing, tuple(ran))
 
     if bos is not None and reference and reference[0] == bos:
         if n == m + 1 and ran[:2] == [bos, bos] and ran[1:] == reference:
