@@ -67,7 +67,8 @@ def real_config(name: str) -> dict:
 #           ctranslate2, transformer-lens, onnxruntime-genai (optimum: not installable beside transformers 5)
 #   family  a per-family matrix: parametrized over every family (or every family an engine runs), the ops matrices,
 #           the selftest over all families
-#   real    needs the real Qwen2.5-Coder model (PARITY_REAL_QWEN, ../shared/models); skips when it is absent
+#   real    needs a real model: Qwen2.5-Coder (PARITY_REAL_QWEN, ../shared/models) or all-MiniLM-L6-v2
+#           (PARITY_REAL_MINILM, tests/models); skips when it is absent
 #   slow    anything else over ~5 s on two cores that one-test-per-module coverage does not need
 
 # a test file -> the markers of all its tests
@@ -79,6 +80,7 @@ TIERS: dict[str, set[str]] = {
     "test_mlx.py": {"engine"},
     "test_openvino.py": {"engine"},
     "test_real_gguf.py": {"engine", "real"},
+    "test_real_onnx.py": {"real"},
     "test_families.py": {"family"},
     "test_modes.py": {"family"},
     "test_ops_engines.py": {"family"},
@@ -183,6 +185,10 @@ NODE_TIERS: dict[str, set[str]] = {
     "tests/test_onnx_quant.py::test_a_correct_quantized_export_passes_at_onnxruntimes_arithmetic[llama-qdq]": {"slow"},
     "tests/test_onnx_quant.py::test_a_correct_quantized_export_passes_at_onnxruntimes_arithmetic[llama-int4*": {"slow"},
     "tests/test_onnx_quant.py::test_a_broken_twin_fails_where_its_mistake_acts_and_is_named[*": {"slow"},  # 6 s each
+    # one third-party graph, its swapped twin and the refusals stay fast (the two exports: 8 s); the other 7 are slow
+    "tests/test_onnx_foreign.py::test_a_third_party_quantized_export_passes[bert-*": {"slow"},
+    "tests/test_onnx_foreign.py::test_a_third_party_quantized_export_passes[llama-q*": {"slow"},
+    "tests/test_onnx_foreign.py::test_a_third_party_quantized_export_passes[llama-int4]": {"slow"},
     "tests/test_readme.py::test_readme_selftest_rows_are_what_a_run_produces": {"slow"},  # 67 s: selftest of 3 families
     "tests/test_rope.py::test_real_config_tables_match_transformers[*": {"slow"},  # 14 s for the 12 configs
 }

@@ -261,6 +261,16 @@ def not_quantizations(held: dict) -> list[str]:
             f"laid them out wrongly still fails"]
 
 
+def not_in_file(held: dict) -> list[str]:
+    """The warning for checkpoint tensors the candidate's file does not hold (a head or a pooler its graph leaves
+    out): the reference keeps the checkpoint's own, and whatever reads them is compared as in a plain check."""
+    absent = held.get("not_in_file") or []
+    if not absent:
+        return []
+    return [f"{len(absent)} of the checkpoint's tensors are not in the candidate's file ({', '.join(absent[:3])}"
+            f"{' ...' if len(absent) > 3 else ''}): the reference keeps the checkpoint's own there"]
+
+
 def not_emulated(held: dict) -> list[str]:
     """The warning for the candidate's matmuls whose arithmetic the reference does not compute (MoE experts: no
     per-expert module to round the inputs of), so that their rounding is not mistaken for a porting mistake."""
@@ -299,7 +309,7 @@ def check_same_weights(reference: Path, candidate: Path, options: CheckOptions, 
         report = run(plan, progress=progress, on_layer=on_layer)
     # the reference the user named, built from the candidate's weights (and computing as its engine does)
     report.reference = {**report.reference, "path": str(reference), "same_weights": held}
-    report.warnings += not_quantizations(held) + not_emulated(held)
+    report.warnings += not_quantizations(held) + not_in_file(held) + not_emulated(held)
     return report
 
 

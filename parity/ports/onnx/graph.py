@@ -34,7 +34,8 @@ from parity.errors import ParityError
 FUSED_NORMS = {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
 SKIP_NORMS = {"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}
 ELEMENTWISE_WITH_CONSTANT = {"Mul", "Add", "Div", "Sub"}
-SHAPE_OPS = {"Shape", "ShapeOf"}  # read a value's shape, not its data (ONNX's, OpenVINO's)
+SHAPE_OPS = {"Shape", "ShapeOf"}
+QUANTIZERS = {"QuantizeLinear", "DynamicQuantizeLinear", "DequantizeLinear"}  # read a value's shape, not its data (ONNX's, OpenVINO's)
 # which point a norm's output (and the stream it reads) is, by the norm's neutral slot
 NORM_OUTPUT_POINT = {"attn_norm": "attn_in", "attn_post_norm": "attn_out", "attn_res_norm": "mid",
                      "mlp_norm": "mlp_in", "mlp_post_norm": "mlp_out", "mlp_res_norm": "out"}
@@ -90,7 +91,8 @@ class Graph:
             if node.op_type == "Constant" or (node.input and all(not v or v in self.constants for v in node.input)
                                               and node.op_type not in ("Shape", "Size", "RandomNormalLike")):
                 self.constants.update(v for v in node.output if v)
-        self.scopes = [_scope(n) for n in self.nodes]
+        self.scopes = [node_scope(n) for n in self.nodes]
+        self.alignment = ("", "")  # (prefix of the checkpoint's module paths, the graph's in its place): align
         self.values = set(self.producer) | set(self.inputs) | self.initializers
 
     def width(self, value: str) -> int | None:
@@ -113,14 +115,44 @@ class Graph:
         return len(dims) in (2, 3) and (not isinstance(dims[-1], int) or dims[-1] in (0, width))
 
     def in_scope(self, k: int, module: str) -> bool:
-        s = self.scopes[k]
+        s, module = self.scopes[k], self.module_path(module)
         return s is not None and (s == module or s.startswith(module + "."))
+
+    def module_path(self, module: str) -> str:
+        """The graph's path of a module of the checkpoint's model (align)."""
+        drop, add = self.alignment
+        if drop and module.startswith(drop + "."):
+            module = module[len(drop) + 1:]
+        return f"{add}.{module}" if add else module
+
+    def align(self, modules: list[str]) -> None:
+        """Learn how the graph's scopes name the checkpoint model's ``modules``: as they are, under a wrapper's
+        prefix (``inner.model.layers.0``, a module that held the model when it was exported), or without the
+        base model's prefix (``encoder.layer.0`` exported from BertModel for ``bert.encoder.layer.0``). Each module
+        votes for where its longest dotted tail (two parts at least) sits in the scopes; most votes win."""
+        scopes = {s for s in self.scopes if s}
+        if not scopes or any(s == m or s.startswith(m + ".") for m in modules for s in scopes):
+            return
+        votes: dict[tuple[str, str], int] = {}
+        for m in modules:
+            parts = m.split(".")
+            for k in range(len(parts) - 1):
+                tail = parts[k:]
+                hits = {".".join(sp[:i]) for sp in (s.split(".") for s in scopes)
+                        for i in range(len(sp) - len(tail) + 1) if sp[i:i + len(tail)] == tail}
+                for add in hits:
+                    votes[".".join(parts[:k]), add] = votes.get((".".join(parts[:k]), add), 0) + 1
+                if hits:
+                    break
+        if votes:
+            drop, add = max(votes, key=votes.get)
+            self.alignment = (drop, add)
 
     def has_scopes(self) -> bool:
         return any(s for s in self.scopes)
 
 
-def _scope(node) -> str | None:
+def node_scope(node) -> str | None:
     """The module path a node was exported from: torch.onnx's name_scopes metadata, or a /a/b/Op name."""
     for prop in node.metadata_props:
         if prop.key == "pkg.torch.onnx.name_scopes":
@@ -153,12 +185,46 @@ def crossing(g: Graph, module: str, io: str) -> list[str] | None:
             for v in node.output:  # a value only a shape op reads outside (its length, for a mask) stays inside
                 if v and (v in g.outputs or any(j not in members and g.nodes[j].op_type not in SHAPE_OPS
                                                 for j in g.consumers.get(v, []))):
-                    found.append(v)
+                    found.append(unquantized(g, dequantized(g, v)))
         else:
             for v in node.input:
                 if v and v not in g.constants and g.producer.get(v) not in members:
-                    found.append(v)
+                    found.append(unquantized(g, v))
     return list(dict.fromkeys(found))
+
+
+def unquantized(g: Graph, value: str) -> str:
+    """The float value that quantizers turned into ``value`` (a QuantizeLinear's or a DynamicQuantizeLinear's
+    integers, or the rounded floats of a Q/DQ pair only projections read): what the module reads before
+    onnxruntime's quantizers round it for a kernel (the reference rounds it in the kernel too:
+    parity.reference.arithmetic.ort). A pair whose rounded value the model goes on with is kept: the reference
+    rounds that capture point (parity.ports.onnx.weights)."""
+    while (k := g.producer.get(value)) is not None and g.nodes[k].op_type in QUANTIZERS:
+        source = g.nodes[k].input[0]
+        if g.nodes[k].op_type == "DequantizeLinear" and not kernel_rounding(g, k):
+            break  # a kernel's integer output, or a value the model itself goes on with rounded
+        value = source
+    return value
+
+
+def kernel_rounding(g: Graph, k: int) -> bool:
+    """Whether node ``k`` is the DequantizeLinear of a Q/DQ pair whose rounded value only projections read (a
+    MatMul or Gemm by a constant weight): the rounding of a kernel's input, not a value of the model."""
+    node = g.nodes[k]
+    q = g.producer.get(node.input[0])
+    readers = g.consumers.get(node.output[0], [])
+    return (node.op_type == "DequantizeLinear" and q is not None and g.nodes[q].op_type == "QuantizeLinear"
+            and node.output[0] not in g.outputs and bool(readers)
+            and all(g.nodes[j].op_type in ("MatMul", "Gemm") and len(g.nodes[j].input) > 1
+                    and g.nodes[j].input[1] in g.constants for j in readers))
+
+
+def dequantized(g: Graph, value: str) -> str:
+    """The float a module's integer output becomes outside it (QLinearMatMul's, through a DequantizeLinear)."""
+    readers = g.consumers.get(value, [])
+    if len(readers) == 1 and g.nodes[readers[0]].op_type == "DequantizeLinear":
+        return g.nodes[readers[0]].output[0]
+    return value
 
 
 def by_module(g: Graph, module: str, io: str, width: int) -> tuple[str | None, str]:
@@ -477,6 +543,7 @@ def match(g: Graph, ckpt, wanted: list[str], maps: dict[str, str], metadata: dic
             raise ParityError(f"--map {point}={value}: the ONNX graph has no value named {value!r}")
     structure: dict[str, tuple[str, str]] | None = None
     why_structure = None
+    g.align([c.module for c in capture.values() if c.module])
     for point in wanted:
         width = vocab if point == "logits" else hidden
         if point in maps:
@@ -497,7 +564,7 @@ def match(g: Graph, ckpt, wanted: list[str], maps: dict[str, str], metadata: dic
         if c is not None and c.module and g.has_scopes():
             value, why_module = by_module(g, c.module, c.io, width)
             if value is not None:
-                result.points[point] = {"value": value, "how": f"module path {c.module} ({c.io})"}
+                result.points[point] = {"value": value, "how": f"module path {g.module_path(c.module)} ({c.io})"}
                 continue
         if structure is None:
             structure, why_structure = by_structure(g, ckpt)

@@ -17,6 +17,9 @@ dynamic_quantize_matmul.cc, matmul_integer_to_float.cc, matmul_nbits.cc):
   x86 leaves DQ -> MatMul unfused for int8 activations: torch's float32 product of the dequantized values equals
   its output bit for bit). Where a projection's output carries a Q/DQ pair too, it is rounded before the bias is
   added (the graph adds the bias after it).
+- QLinearMatMul (quantize_linear_matmul.cc, MlasRequantizeOutput): the input's static QuantizeLinear, the integer
+  products summed exactly, then back to the output's integers in float32, ``round_half_even(float(acc) *
+  (a_scale * b_scale / y_scale)) + y_zp`` saturated, which the DequantizeLinear after it turns into float.
 - MatMulNBits (matmul_nbits.cc GetComputeType): accuracy_level unset (0) or 1..3 computes in float32 on the
   dequantized weights (SQNBIT_CompFp32), so nothing is rounded beyond the weights; level 4 (SQNBIT_CompInt8, where
   MLAS has the kernel) first rounds each activation row in blocks of the weight's block size
@@ -40,6 +43,32 @@ import torch
 ENGINE = "onnxruntime (CPU)"
 OUTPUT = "@output"    # the model's output embeddings (as parity.reference.arithmetic.ggml.OUTPUT)
 RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
+BLOCK_INVERSES = ("127/amax", "1/scale")
+PAIRS = "int16 pairs"  # a projection's products summed as MLAS's u8 x s8 kernels without VNNI sum them
+
+
+def _cpu_flags() -> set[str]:
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return set()
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def block_inverse() -> str:
+    """How this CPU's MLAS CompInt8 kernels invert an activation block's scale (int8_blocks)."""
+    return BLOCK_INVERSES[0] if {"avx512f", "avx512bw"} <= _cpu_flags() else BLOCK_INVERSES[1]
+
+
+def saturates_pairs() -> bool:
+    """Whether onnxruntime's u8 x s8 matmuls on this CPU sum adjacent products in int16 with saturation: x86 with
+    AVX2 or AVX-512BW but neither VNNI (vpdpbusd sums in int32) nor AMX (onnxruntime's documented caveat, and why
+    its quantizers offer reduce_range)."""
+    flags = _cpu_flags()
+    return "avx2" in flags and not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, kind: str) -> torch.Tensor:
@@ -66,23 +95,51 @@ def fake_quantize(x: torch.Tensor, spec: dict) -> torch.Tensor:
     return ((quantize(x, scale, zp, spec["type"]) - zp) * scale).to(x.dtype)
 
 
-def int8_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+def int8_blocks(x: torch.Tensor, block: int, inverse: str = "127/amax") -> torch.Tensor:
     """x's rows as MLAS's CompInt8 kernels see them: int8 blocks of ``block`` along the last dimension, each
-    ``q * (amax / 127)`` (QuantizeARow_CompInt8: 127 / amax computed in one division, rounded half to even)."""
+    ``q * (amax / 127)``, q rounded half to even from x times the inverse scale, which the AVX-512 kernels compute as
+    ``127 / amax`` and the AVX2 ones as ``1 / (amax / 127)`` (``inverse``: one or the other; they differ in the last
+    bit, enough to move a value across a rounding boundary)."""
     x = x.float()
     k = x.shape[-1]
     pad = (-k) % block
     b = torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, block)
     amax = b.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(b * inverse)
-    return (q * (amax / 127.0)).reshape(*x.shape[:-1], -1)[..., :k]
+    scale = amax / 127.0
+    if inverse == BLOCK_INVERSES[1]:
+        inverse_scale = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    else:
+        inverse_scale = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(b * inverse_scale)
+    return (q * scale).reshape(*x.shape[:-1], -1)[..., :k]
+
+
+def saturated_pairs(a: torch.Tensor, w: torch.Tensor, budget: int = 2**25) -> torch.Tensor:
+    """sum_k a[.., k] w[n, k] as MLAS's u8 x s8 kernels without VNNI sum it (vpmaddubsw, then vpmaddwd by ones):
+    each pair of adjacent products (k = 2m, 2m + 1) added in int16 with saturation, the pairs summed in int32.
+    ``a`` [.., K] holds uint8 values, ``w`` [N, K] int8 ones; float64 out. The exact sum is a float64 matmul; only a
+    pair of weights of one sign with 255 (|w0| + |w1|) > 32767 can saturate (the activations are not negative), a
+    few in a hundred of Gaussian weights, and those pairs alone are summed again, ``budget`` elements at a time."""
+    rows = a.reshape(-1, a.shape[-1]).double()
+    w = w.double()
+    out = rows @ w.T  # exact: every partial sum is an integer far below 2^53
+    if rows.shape[-1] % 2:
+        rows, w = torch.nn.functional.pad(rows, (0, 1)), torch.nn.functional.pad(w, (0, 1))
+    w0, w1 = w[:, 0::2], w[:, 1::2]
+    n, m = ((w0 * w1 > 0) & ((w0.abs() + w1.abs()) * 255 > 32767)).nonzero(as_tuple=True)
+    step = max(1, budget // max(1, rows.shape[0]))
+    for i in range(0, len(n), step):
+        nn, mm = n[i:i + step], m[i:i + step]
+        pairs = rows[:, 2 * mm] * w0[nn, mm] + rows[:, 2 * mm + 1] * w1[nn, mm]
+        out.index_add_(1, nn, pairs.clamp(-32768, 32767) - pairs)
+    return out.reshape(*a.shape[:-1], out.shape[-1])
 
 
 def integer_matmul(x: torch.Tensor, weight: torch.Tensor, spec: dict) -> torch.Tensor:
     """A quantized projection without its bias, as MatMulInteger / MatMulIntegerToFloat computes it: ``x``'s
     quantization (dynamic, or the static one of ``spec["input"]``) times the weight's integers (recovered from the
-    dequantized ``weight`` [out, in] and its scales), summed exactly, times float32(a_scale * b_scale)."""
+    dequantized ``weight`` [out, in] and its scales), summed exactly, times float32(a_scale * b_scale); or, as
+    QLinearMatMul does (``spec["requantize"]``), requantized at the output's scale and dequantized."""
     x = x.float()
     if spec["input"].get("dynamic"):
         scale, zp = dynamic_parameters(x)
@@ -91,10 +148,20 @@ def integer_matmul(x: torch.Tensor, weight: torch.Tensor, spec: dict) -> torch.T
         scale = torch.tensor(spec["input"]["scale"], dtype=torch.float32, device=x.device)
         zp = torch.tensor(spec["input"]["zero_point"], dtype=torch.float32, device=x.device)
         kind = spec["input"]["type"]
-    qx = (quantize(x, scale, zp, kind) - zp).double()
+    qx = quantize(x, scale, zp, kind).double()
     w_scale = torch.tensor(spec["weight_scale"], dtype=torch.float32, device=x.device).reshape(-1, 1)
     qw = torch.round(weight.double() / w_scale.double())  # the dequantized weight is (q - zp) * scale in float32
-    acc = (qx @ qw.T).float()
+    if spec.get("pairs") == PAIRS:  # the zero point's share is taken off exactly, from the weights' sums
+        acc = (saturated_pairs(qx, qw) - zp.double() * qw.sum(1)).float()
+    else:
+        acc = ((qx - zp.double()) @ qw.T).float()
+    if spec.get("requantize"):  # QLinearMatMul: the sum back to integers at the output's scale, then dequantized
+        out = spec["requantize"]
+        y_scale = torch.tensor(out["scale"], dtype=torch.float32, device=x.device)
+        y_zp = torch.tensor(out["zero_point"], dtype=torch.float32, device=x.device)
+        lo, hi = RANGES[out["type"]]
+        q = torch.clamp(torch.round(acc * (scale * w_scale.reshape(-1) / y_scale)) + y_zp, lo, hi)
+        return (q - y_zp) * y_scale
     return acc * (scale * w_scale.reshape(-1))
 
 
@@ -165,7 +232,7 @@ def _projection(spec: dict):
         if spec.get("integer"):
             y = integer_matmul(x, mod.weight, spec)
         elif (spec.get("input") or {}).get("blocks"):
-            xin = int8_blocks(x, spec["input"]["blocks"])
+            xin = int8_blocks(x, spec["input"]["blocks"], spec["input"].get("inverse", BLOCK_INVERSES[0]))
             y = torch.nn.functional.linear(xin, mod.weight.float())
         else:
             xin = fake_quantize(x.float(), spec["input"]) if spec.get("input") else x.float()
