@@ -14,12 +14,16 @@ Three models with seeded random weights, written a tensor at a time (so that mak
   executor forward), once `--stream` and once `--no-stream`.
 - Gemma-3-270M-shaped (google/gemma-3-270m's config: hidden 640, 18 layers, 4 heads, 1 KV head, head_dim 256,
   vocabulary 262,144, sliding window 512, 5 sliding : 1 global, tied embeddings) in float32, 1.07 GB, which
-  fits; checked `--layerwise` at 528 tokens. Its logits ([528, 262144], 553 MB a side) are half the checkpoint,
-  so holding a side's twice, or both sides' beside a model, shows at once. Printed: the check's peak RSS /
-  checkpoint size, and (start-up + check) / (start-up + transformers forward + executor forward), where
-  start-up is the time from spawning a child to the end of its imports (python, torch, transformers, parity),
-  as every child reports it, the median over all; each of the three is run `--rounds` times, alternated, and
-  its median taken.
+  fits, with a tokenizer of Gemma 3's kind and size (BPE with byte fallback, 262,144 seeded random pieces,
+  harness.write_tokenizer); checked `--layerwise` on a text prompt of 528 tokens, which the check tokenizes
+  (the forwards run 528 ids). Its logits ([528, 262144], 553 MB a side) are half the checkpoint, so holding a
+  side's twice, or both sides' beside a model, shows at once. Printed: the check's peak RSS / checkpoint size,
+  (start-up + check) / (start-up + transformers forward + executor forward), where start-up is the time from
+  spawning a child to the end of its imports (python, torch, transformers, parity), as every child reports it,
+  the median over all; each of the three is run `--rounds` times, alternated, and its median taken; and where
+  the median check's time goes, phase by phase (bench/phases.py: tokenizer, plan, loading, each side's
+  forward, metrics, drill-down, report, and what no phase took), beside the median bare forwards' loading
+  and forwards.
 
 Every measured command runs in its own child process (bench/harness.py): peak RSS is the child's own (VmHWM);
 the check and the forwards time themselves from after their imports (and report their start-up before that);
@@ -30,6 +34,7 @@ The forwards are `parity.checker.run.plain_forward`: load the model, run the pro
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -38,7 +43,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import STARTUP_LINE, cli, gemma3_config, llama_config, make_checkpoint, run
+from harness import STARTUP_LINE, cli, gemma3_config, llama_config, make_checkpoint, prompt_of, run, write_tokenizer
 
 LLAMA_31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False}
@@ -50,18 +55,19 @@ GEMMA_3_270M = {"hidden_size": 640, "intermediate_size": 2048, "num_hidden_layer
 CASES = ("llama-1b", "llama-8b", "gemma3-270m")
 
 # both import what a check imports (torch, transformers, parity) before their clocks start, and say how long
-# that took them since they were spawned
-IMPORTS = "import os, time, torch, transformers, parity.cli, parity.checker.run\n" + STARTUP_LINE
+# that took them since they were spawned; then each times its phases (bench/phases.py) and prints them
+IMPORTS = ("import os, time, torch, transformers, parity.cli, parity.checker.run\n" + STARTUP_LINE
+           + "sys.path.insert(0, 'bench'); import phases\n")
 FORWARD = (IMPORTS + "from pathlib import Path; from parity.checker.run import plain_forward\n"
            "path, length, stream = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == 'stream'\n"
-           "t = time.perf_counter()\n"
+           "t = time.perf_counter(); phases.install_loading()\n"
            "plain_forward(path, torch.arange(3, length + 3)[None], stream=stream)\n"
-           "print('seconds', time.perf_counter() - t)")
-CHECK = (IMPORTS + "from parity.cli import cli; t = time.perf_counter()\n"
+           "print('seconds', time.perf_counter() - t); print(phases.line())")
+CHECK = (IMPORTS + "from parity.cli import cli; t = time.perf_counter(); phases.install()\n"
          "try:\n"
          "    cli(sys.argv[1:], prog_name='parity')\n"
          "finally:\n"
-         "    print('seconds', time.perf_counter() - t)")
+         "    print('seconds', time.perf_counter() - t); print(phases.line())")
 
 
 def forward(path: Path, length: int, stream: bool) -> float:
@@ -77,10 +83,13 @@ def forward_run(path: Path, length: int, stream: bool):
     return result
 
 
-def check(reference: Path, candidate: Path, length: int, *flags: str):
-    """`parity check --layerwise` in a child, timed from after its imports as the forwards are; it must pass."""
-    result = run(CHECK, f"parity check --layerwise {' '.join(flags)}".strip(), "check", "--reference",
-                 str(reference), "--candidate", str(candidate), "--layerwise", "--length", str(length), *flags)
+def check(reference: Path, candidate: Path, length: int, *flags: str, prompt: str | None = None):
+    """`parity check --layerwise` in a child, timed from after its imports as the forwards are, on ``prompt`` (a
+    text the reference's tokenizer encodes) or else on ``length`` ids; it must pass."""
+    inputs = ("--prompt", prompt) if prompt is not None else ("--length", str(length))
+    result = run(CHECK, " ".join(["parity check --layerwise", *flags, *(["--prompt TEXT"] if prompt else [])]),
+                 "check", "--reference", str(reference), "--candidate", str(candidate), "--layerwise", *inputs,
+                 *flags)
     if result.exit != 0:
         raise SystemExit(f"the check did not pass (exit {result.exit})")
     return result
@@ -144,24 +153,59 @@ def fits(root: Path, length: int) -> None:
 def gemma(root: Path, length: int, rounds: int) -> None:
     ckpt, neutral = root / "gemma3-270m", root / "gemma3-270m.neutral"
     nbytes, _ = make_checkpoint(ckpt, gemma3_config(GEMMA_3_270M, torch.float32), torch.float32)
-    print(f"Gemma-3-270M-shaped, float32: {nbytes / 1e9:.2f} GB; prompt of {length} tokens", flush=True)
+    size = write_tokenizer(ckpt, GEMMA_3_270M["vocab_size"])
+    prompt = prompt_of(ckpt, length)
+    print(f"Gemma-3-270M-shaped, float32: {nbytes / 1e9:.2f} GB; tokenizer of {GEMMA_3_270M['vocab_size']:,} "
+          f"pieces ({size / 1e6:.0f} MB); a text prompt of {length} tokens", flush=True)
     cli("parity convert --to neutral", "convert", str(ckpt), "--to", "neutral", "-o", str(neutral))
     refs, cands, checks = [], [], []
     for _ in range(rounds):  # alternated, so that other load on the machine falls on all three alike
         refs.append(forward_run(ckpt, length, False))
         cands.append(forward_run(neutral, length, False))
-        checks.append(check(ckpt, neutral, length))
+        checks.append(check(ckpt, neutral, length, prompt=prompt))
     startup = statistics.median(r.startup for r in refs + cands + checks)
     ref, cand, chk = (statistics.median(r.seconds for r in runs) for runs in (refs, cands, checks))
     peak = max(r.peak for r in checks)
     print(f"  start-up (spawn to imports done, median of {3 * rounds} children): {startup:.1f} s; medians of "
           f"{rounds} rounds: transformers forward {ref:.1f} s, executor forward {cand:.1f} s, check {chk:.1f} s")
+    breakdown(*(median_run(runs) for runs in (checks, refs, cands)))
     print(f"  (forwards' peak RSS / checkpoint size: transformers {max(r.peak for r in refs) / nbytes:.2f}, "
           f"executor {max(r.peak for r in cands) / nbytes:.2f})")
     print(f"  check peak RSS:                         {peak / 2**30:.2f} GiB")
     print(f"  check peak RSS / checkpoint size:       {peak / nbytes:.2f}")
     print(f"  (start-up + check) / (start-up + transformers forward + executor forward): "
           f"{(startup + chk) / (startup + ref + cand):.2f}", flush=True)
+
+
+def median_run(runs: list):
+    """The run whose time is the median (the lower middle one of an even number)."""
+    return sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]
+
+
+def phases_of(result) -> dict[str, float]:
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("phases "))[7:])
+
+
+def breakdown(chk, ref, cand) -> None:
+    """Where the median check's time goes (bench/phases.py), beside what the median bare forwards spend on the
+    same: their loading, and the rest of them, each side's forward."""
+    p, loads = phases_of(chk), phases_of(ref)["loading"] + phases_of(cand)["loading"]
+    rows = [("tokenizer: reading tokenizer.json, encoding the text", p["tokenizer"], None),
+            ("plan: opening both sides, the inputs", p["plan"], None),
+            ("loading the models (and dropping the reference)", p["loading"], loads),
+            ("reference forward, its capture hooks, its points to disk", p["reference forward"],
+             ref.seconds - phases_of(ref)["loading"]),
+            ("candidate forward, emitting its points", p["candidate forward"],
+             cand.seconds - phases_of(cand)["loading"]),
+            ("each candidate point: its reference read back, kept", p["on point"], None),
+            ("metrics, float64", p["metrics"], None),
+            ("drill-down, diagnosis", p["drill-down, diagnosis"], None),
+            ("report", p["report"], None),
+            ("other (unattributed)", chk.seconds - sum(p.values()), None)]
+    print(f"  where the median check's {chk.seconds:.1f} s go (after start-up), beside the median bare forwards' "
+          f"{ref.seconds + cand.seconds:.1f} s:")
+    for what, seconds, bare in rows:
+        print(f"    {what:<58} {seconds:5.2f} s" + ("" if bare is None else f"   (bare forwards: {bare:.2f} s)"))
 
 
 def main() -> None:

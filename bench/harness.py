@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -96,6 +97,72 @@ def make_checkpoint(directory: Path, config: dict, dtype: torch.dtype, shard_byt
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return sum(t.nbytes for t in planned), max(t.nbytes for t in planned)
 
+
+
+# a tokenizer's pieces: SentencePiece's space and letters of one, two and three bytes in UTF-8, as a multilingual
+# vocabulary's
+SPACE = "\u2581"
+LETTERS = "abcdefghijklmnopqrstuvwxyz\u00e0\u00e9\u00e8\u00e7\u00f1\u00fc\u00f6\u00df\u4e00\u4e2d\u5927\u6709\u4eba"
+GEMMA_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")  # ids 0 to 4, as gemma3_config's
+
+
+def write_tokenizer(directory: Path, vocab_size: int, seed: int = 0) -> int:
+    """A tokenizer of Gemma 3's kind and size in ``directory`` (tokenizer.json, tokenizer_config.json): BPE with
+    byte fallback over ``vocab_size`` pieces, spaces written as SentencePiece's U+2581, <bos> put before each
+    text. Its pieces are seeded random, each beyond the letters an earlier piece and a letter; a merge makes
+    each of them from each of its splits into two pieces. Returns tokenizer.json's size in bytes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    rng = random.Random(seed)
+    pieces = [*GEMMA_SPECIAL, *(f"<0x{b:02X}>" for b in range(256)), SPACE, *LETTERS]
+    pieces += [SPACE + c for c in LETTERS]  # every letter after a space is a piece: a word of one token
+    known = set(pieces)
+    grown = pieces[len(GEMMA_SPECIAL) + 256:]  # what a merge extends: not the special or byte pieces
+    while len(pieces) < vocab_size:
+        piece = rng.choice(grown) + rng.choice(LETTERS)
+        if piece not in known:
+            known.add(piece)
+            pieces.append(piece)
+            grown.append(piece)
+    merges = []  # as in SentencePiece's BPE converted to tokenizer.json: ordered by the piece they make
+    for piece in grown[len(LETTERS) + 1:]:
+        merges += [(piece[:k], piece[k:]) for k in range(len(piece) - 1, 0, -1)
+                   if piece[:k] in known and piece[k:] in known]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>", fuse_unk=True,
+                               byte_fallback=True))
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in GEMMA_SPECIAL])
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                       special_tokens=[("<bos>", 2)])
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<bos>", "eos_token": "<eos>",
+              "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>", "tokenizer_class": "GemmaTokenizer",
+              "model_max_length": 1000000000000000019884624838656, "clean_up_tokenization_spaces": False,
+              "spaces_between_special_tokens": False,
+              "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                                "single_word": False, "special": True}
+                                       for i, t in enumerate(GEMMA_SPECIAL)}}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return (directory / "tokenizer.json").stat().st_size
+
+
+def prompt_of(directory: Path, tokens: int, seed: int = 0) -> str:
+    """A text that ``directory``'s tokenizer encodes as exactly ``tokens`` ids (its <bos> included): seeded random
+    words of 2 to 10 letters, each a few pieces, then one-letter words (one piece each) to make up the count."""
+    from tokenizers import Tokenizer
+
+    tok, rng = Tokenizer.from_file(str(directory / "tokenizer.json")), random.Random(seed)
+    words: list[str] = []
+    while True:
+        word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 10)))
+        if len(tok.encode(" ".join([*words, word])).ids) > tokens:
+            break
+        words.append(word)
+    words += ["a"] * (tokens - len(tok.encode(" ".join(words)).ids))
+    text = " ".join(words)
+    assert len(tok.encode(text).ids) == tokens, "a one-letter word is not one piece"
+    return text
 
 # The child reports its own high-water mark as it exits (sys.exit included): VmHWM belongs to the process image
 # after exec, while getrusage's maxrss would also count the pages the child shared with this parent at fork.

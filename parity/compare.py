@@ -267,25 +267,36 @@ def metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict:
     size = (min(limit, n),)
     # each chunk's float64 sums by its number, on the tensors' device (no host sync until the end), summed
     # pairwise in chunk order at the end
-    sums, maxes = {}, {}   # (|d|^2, |r|^2, |c|^2, c.r, sum |d|), max |d|
+    sums, maxes = {}, {}
 
     def work(i: int, taken, own) -> None:
-        c64, r64 = taken
-        w = own[2][:r64.shape[0]]
-        dot = torch.mul(c64, r64, out=w).sum()
-        ss_c = torch.mul(c64, c64, out=w).sum()
-        ss_r = torch.mul(r64, r64, out=w).sum()
-        diff = torch.sub(c64, r64, out=w).abs_()
-        sum_abs = diff.sum()
-        if diff.numel():
-            maxes[i] = diff.max()
-        sums[i] = torch.stack((diff.square_().sum(), ss_r, ss_c, dot, sum_abs))
+        sums[i], largest = _piece_sums(*taken, own[2][:taken[1].shape[0]], own[3][:taken[1].shape[0]])
+        if largest is not None:
+            maxes[i] = largest
 
-    _each_pair(zip(_flat_chunks(c, limit), _flat_chunks(r, limit)), _threads(r.device, 3 * 8 * size[0], n // limit),
-               lambda: (_buffer(c, size), _buffer(r, size), _buffer(r, size)),
+    _each_pair(zip(_flat_chunks(c, limit), _flat_chunks(r, limit)), _threads(r.device, 4 * 8 * size[0], n // limit),
+               lambda: tuple(_buffer(r, size) for _ in range(4)),
                lambda cc, rc, own: (_upcast(cc, own[0]), _upcast(rc, own[1])), work)
-    acc = (torch.stack([sums[i] for i in sorted(sums)], 1).sum(-1) if sums
-           else torch.zeros(5, dtype=torch.float64))
+    return _point_metrics(c, r, limit, [sums[i] for i in sorted(sums)], list(maxes.values()))
+
+
+def _piece_sums(c64: torch.Tensor, r64: torch.Tensor, diff: torch.Tensor,
+                w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One piece's float64 sums (|d|^2, |r|^2, |c|^2, c.r, sum |d|), d = c - r, and its max |d| (None for an empty
+    piece); |d| is left in ``diff``, ``w`` is scratch."""
+    dot = torch.mul(c64, r64, out=w).sum()
+    ss_c = torch.mul(c64, c64, out=w).sum()
+    ss_r = torch.mul(r64, r64, out=w).sum()
+    torch.sub(c64, r64, out=diff).abs_()
+    sums = torch.stack((torch.mul(diff, diff, out=w).sum(), ss_r, ss_c, dot, diff.sum()))
+    return sums, diff.max() if diff.numel() else None
+
+
+def _point_metrics(c: torch.Tensor, r: torch.Tensor, limit: int, sums: list[torch.Tensor],
+                   maxes: list[torch.Tensor]) -> dict:
+    """metrics' result from its pieces' sums, in the pieces' order, and their max |d|."""
+    n = r.numel()
+    acc = torch.stack(sums, 1).sum(-1) if sums else torch.zeros(5, dtype=torch.float64)
     ss_diff, ss_r, ss_c, dot, sum_abs = acc.tolist()
     nonfinite = None
     # A NaN or Inf on a side makes its sum of squares NaN or Inf; only then are its elements looked at (the
@@ -302,7 +313,7 @@ def metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict:
     r_norm, c_norm = math.sqrt(ss_r), math.sqrt(ss_c)
     rel = math.sqrt(ss_diff) / r_norm if r_norm > 0 else (0.0 if c_norm == 0 else float("inf"))
     cosine = 1.0 if r_norm == 0 and c_norm == 0 else (0.0 if r_norm == 0 or c_norm == 0 else dot / (c_norm * r_norm))
-    return {"max_abs": torch.stack(list(maxes.values())).max().item() if maxes else 0.0,
+    return {"max_abs": torch.stack(maxes).max().item() if maxes else 0.0,
             "mean_abs": sum_abs / n if n else 0.0, "rel_l2": rel, "cosine": cosine, "nonfinite": None,
             "reference_norm": r_norm}
 
@@ -321,7 +332,21 @@ def logit_metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict | No
     """KL(reference || candidate) per position, top-1 agreement, top-5 overlap, max logit difference; None when
     the two cannot be compared (shapes differ, or NaN/Inf: the logits point itself fails and says why; or there
     are no logits). Computed in float64, a chunk of positions at a time."""
-    c, r = candidate.detach(), reference.detach()
+    both = _logits(candidate, reference, point=False)
+    return None if both is None else both[1]
+
+
+def logits_compared(candidate: torch.Tensor, reference: torch.Tensor) -> tuple[dict, dict | None]:
+    """(metrics, logit_metrics) of the logits, in one pass: each side's logits are read (from disk, for an OnDisk
+    reference) and upcast once, not once for each. The metrics are summed over the same pieces in the same order
+    as metrics' own, so they are its numbers exactly."""
+    both = _logits(candidate, reference, point=True)
+    return (metrics(candidate, reference), None) if both is None else both
+
+
+def _logits(c: torch.Tensor, r: torch.Tensor, point: bool) -> tuple[dict | None, dict] | None:
+    """logit_metrics, and with ``point`` metrics too (else None in its place); None where logit_metrics is."""
+    c, r = c.detach(), r.detach()
     if c.shape != r.shape or r.dim() == 0 or r.numel() == 0:
         return None
     vocab = r.shape[-1]
@@ -343,6 +368,7 @@ def logit_metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict | No
     sizes = [b.shape[0] for b in _row_blocks(torch.empty(r.shape, device="meta"), rows)]
     starts = list(itertools.accumulate(sizes, initial=0))
     worst: dict[int, torch.Tensor] = {}
+    sums: dict[int, list[torch.Tensor]] = {}  # with ``point``: each chunk's pieces' sums, as metrics cuts them
     close = [True]  # torch.allclose(c, r, rtol, atol) over every chunk so far
     pieces = lambda *ts: zip(*(_flat_chunks(t, limit) for t in ts))  # noqa: E731 - same shapes, same cuts
 
@@ -360,10 +386,15 @@ def logit_metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict | No
         # top-k and (log-)softmax run over whole rows: a chunk of one row, or of rows within one op's elements
         torch.topk(r64, k, -1, out=(own["top"][:n], top_r[start:stop]))
         torch.topk(c64, k, -1, out=(own["top"][:n], top_c[start:stop]))
-        chunk_worst = []
-        for d, cp, rp in pieces(log_p, c64, r64):
-            low, high = torch.aminmax(torch.sub(cp, rp, out=d))
-            chunk_worst.append(torch.maximum(-low, high))
+        chunk_worst, sums[i] = [], []
+        for d, w, cp, rp in pieces(log_p, p, c64, r64):  # metrics' pieces: the same shapes, the same cuts
+            if point:  # max |d| is max(-min d, max d)
+                piece, largest = _piece_sums(cp, rp, d, w)
+                sums[i].append(piece)
+                chunk_worst.append(largest)
+            else:
+                low, high = torch.aminmax(torch.sub(cp, rp, out=d))
+                chunk_worst.append(torch.maximum(-low, high))
         worst[i] = torch.stack(chunk_worst).max()
         # |c - r| <= atol + rtol * |r| everywhere, on finite inputs: a chunk within atol is (atol + rtol * |r| >=
         # atol), and once an element is not, no other chunk needs looking at
@@ -376,9 +407,8 @@ def logit_metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict | No
                 close[0] = False
         torch.log_softmax(r64, -1, out=log_p)
         torch.log_softmax(c64, -1, out=log_q)
-        torch.softmax(r64, -1, out=p)
-        for lp, lq, pp in pieces(log_p, log_q, p):  # p * (log p - log q), in place
-            torch.sub(lp, lq, out=lq).mul_(pp)
+        for lp, lq, pp in pieces(log_p, log_q, p):  # p * (log p - log q), in place; p = exp(log p): the softmax
+            torch.sub(lp, lq, out=lq).mul_(torch.exp(lp, out=pp))
         _row_sums(log_q, limit, kl[start:stop])
 
     threads = _threads(dev, 5 * 8 * chunk[0] * vocab, positions // chunk[0])
@@ -387,7 +417,10 @@ def logit_metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict | No
     agree = top_r[:, 0] == top_c[:, 0]
     # topk's indices are distinct within a row, so the matches count |topk_r & topk_c|
     overlap = (top_r.unsqueeze(-1) == top_c.unsqueeze(-2)).any(-1).sum(-1)
-    return {
+    chunks = sorted(worst)
+    found = _point_metrics(c, r, limit, [x for i in chunks for x in sums[i]], [worst[i] for i in chunks]) \
+        if point else None
+    return found, {
         "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
         "top1_agreement": agree.double().mean().item(),
         "top5_overlap": (overlap.double() / k).mean().item(),

@@ -229,6 +229,27 @@ def test_allclose_is_all_chunks(big_chunk):
     assert_same(logit_metrics(r, r), oracle_logits(r, r))    # identical: KL 0, all agree, allclose
 
 
+@pytest.mark.parametrize("shape,dtype", [((2, 5, 1_000), torch.float64), ((1_000,), torch.float16),
+                                         ((4, 3), torch.float32), ((3, 1), torch.bfloat16)])
+def test_logits_compared_are_metrics_and_logit_metrics(chunk, shape, dtype):
+    """One pass over the logits gives metrics' numbers exactly (the same pieces, summed in the same order), and
+    logit_metrics'; where logit_metrics has none (NaN, shapes), metrics alone says why."""
+    c, r = pair(shape, dtype, noise=1.0)
+    assert compare.logits_compared(c, r) == (metrics(c, r), logit_metrics(c, r))
+    assert compare.logits_compared(r, r) == (metrics(r, r), logit_metrics(r, r))
+    assert compare.logits_compared(c[..., :-1], r[..., 1:]) == (metrics(c[..., :-1], r[..., 1:]),
+                                                                   logit_metrics(c[..., :-1], r[..., 1:]))
+    c.view(-1)[-1] = math.nan
+    got, logits = compare.logits_compared(c, r)
+    assert logits is None and got["nonfinite"] == "NaN in candidate"
+    assert compare.logits_compared(c, r[:-1])[0]["nonfinite"].startswith("shape")
+
+
+def test_large_logits_compared(big_chunk):
+    c, r = pair((37, ROW), noise=0.3, seed=2)
+    assert compare.logits_compared(c, r) == (metrics(c, r), logit_metrics(c, r))
+
+
 def test_logit_metrics_without_logits():
     assert logit_metrics(torch.zeros(0, 10), torch.zeros(0, 10)) is None
     assert logit_metrics(torch.zeros(3, 0), torch.zeros(3, 0)) is None

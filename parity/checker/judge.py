@@ -16,16 +16,18 @@ class Judge:
         self.tolerances = tolerances
 
     def __call__(self, name: str, got: torch.Tensor, ref: torch.Tensor, noise: float | None = None,
-                 rounding: float = 0.0, step: int | None = None, scale=None) -> PointResult:
+                 rounding: float = 0.0, step: int | None = None, scale=None,
+                 measured: dict | None = None) -> PointResult:
         """``noise``: the point's measured noise (None: not measured); ``rounding``: the reference's storage
         rounding, part of this comparison's noise (a golden stored in float16); ``scale``: (multiple, what) of the
-        noise the tolerance is (None: the calibration's)."""
+        noise the tolerance is (None: the calibration's); ``measured``: metrics(got, ref), where the caller has them
+        already (parity.compare.logits_compared)."""
         if ref.device != got.device:  # sides on different devices are compared where the candidate is
             ref = ref.to(got.device)
         # the noise shown beside the result: measured noise, and the rounding it cannot resolve below
         shown = noise if noise is None else max(noise, rounding)
         tolerance = self.tolerances.for_point(name, noise, rounding, *(scale or ()))
-        result = judge(name, metrics(got, ref), tolerance, shown)
+        result = judge(name, metrics(got, ref) if measured is None else measured, tolerance, shown)
         result.step = step
         return result
 

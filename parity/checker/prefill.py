@@ -31,7 +31,7 @@ from parity.checker.judge import Judge
 from parity.checker.noise import EngineTwin, LayerInputs, NoNoise, Recorded, Twin
 from parity.checker.plan import Plan
 from parity.checkpoint import Checkpoint
-from parity.compare import CHUNK_BYTES, OnDisk, logit_metrics
+from parity.compare import CHUNK_BYTES, OnDisk, logits_compared
 from parity.reference.models import Models, Stream, fed_points, layer_inputs
 from parity.report import PointResult
 
@@ -240,14 +240,16 @@ class PromptCheck:
         if name not in self.wanted_set:
             return
         noise, rounding = self.noise.of(self.k, name, ref)
-        result = self.judge(name, got, ref, noise, rounding, scale=self.noise.scale)
+        measured = None
+        if name == "logits":  # its metrics and the logit metrics in one pass over both sides' logits
+            measured, self.out.logits = logits_compared(got, ref.to(got.device))
+        result = self.judge(name, got, ref, noise, rounding, scale=self.noise.scale, measured=measured)
         result.plain_rel_l2 = self.noise.plain(name, got)
         self.out.results.append(result)
         self._keep(name, got, ref, result)
         if i is not None:  # only the latest layer input is held: the one both sides took
             self.layer_input = {i: got if self.follow is not None else ref}
         if name == "logits":
-            self.out.logits = logit_metrics(got, ref.to(got.device))
             if self.noise.logits is not None:  # beside a reference that emulates the engine: against the plain one
                 self.out.logits["against_plain"] = self.noise.logits
         if name.endswith(".out"):

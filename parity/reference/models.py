@@ -6,7 +6,6 @@ through here; the check compares what they emit.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import queue
 import threading
@@ -17,7 +16,7 @@ from typing import Callable
 import torch
 
 from parity.checkpoint import Checkpoint
-from parity.checkpoint.inputs import available_memory
+from parity.checkpoint.inputs import available_memory, trim_heap
 from parity.errors import ParityError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -366,16 +365,6 @@ class Models:
         if any(model() is not None for model in dropped):
             gc.collect()
         trim_heap()
-
-
-def trim_heap() -> None:
-    """Hand the heap memory freed so far back to the system: glibc keeps it for reuse, each thread that ran a
-    forward in an arena of its own. Nothing where the C library has no malloc_trim."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
 
 
 def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.Tensor, feed: Feed | None = None,
