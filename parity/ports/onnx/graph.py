@@ -55,6 +55,8 @@ class Norm:
 class Graph:
     """An ONNX graph's values: producers, consumers, module scopes, static shapes, constants."""
 
+    alignment: tuple[str, str] = ("", "")  # (prefix of the checkpoint's module paths, the graph's in its place): align
+
     def __init__(self, model):
         import onnx
 
@@ -92,7 +94,6 @@ class Graph:
                                               and node.op_type not in ("Shape", "Size", "RandomNormalLike")):
                 self.constants.update(v for v in node.output if v)
         self.scopes = [node_scope(n) for n in self.nodes]
-        self.alignment = ("", "")  # (prefix of the checkpoint's module paths, the graph's in its place): align
         self.values = set(self.producer) | set(self.inputs) | self.initializers
 
     def width(self, value: str) -> int | None:
