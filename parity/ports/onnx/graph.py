@@ -34,8 +34,8 @@ from parity.errors import ParityError
 FUSED_NORMS = {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
 SKIP_NORMS = {"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}
 ELEMENTWISE_WITH_CONSTANT = {"Mul", "Add", "Div", "Sub"}
-SHAPE_OPS = {"Shape", "ShapeOf"}
-QUANTIZERS = {"QuantizeLinear", "DynamicQuantizeLinear", "DequantizeLinear"}  # read a value's shape, not its data (ONNX's, OpenVINO's)
+SHAPE_OPS = {"Shape", "ShapeOf"}  # read a value's shape, not its data (ONNX's, OpenVINO's)
+QUANTIZERS = {"QuantizeLinear", "DynamicQuantizeLinear", "DequantizeLinear"}  # onnxruntime's quantizers add them
 # which point a norm's output (and the stream it reads) is, by the norm's neutral slot
 NORM_OUTPUT_POINT = {"attn_norm": "attn_in", "attn_post_norm": "attn_out", "attn_res_norm": "mid",
                      "mlp_norm": "mlp_in", "mlp_post_norm": "mlp_out", "mlp_res_norm": "out"}
