@@ -7,8 +7,9 @@ Capture points come from, in this order of precedence:
 2. values named exactly as the point (the debug outputs of ``parity convert --to onnx``);
 3. the final output (``logits``, or the last hidden state of a model without an LM head);
 4. the module path that the adapter's capture map gives for the point: exporters keep module paths
-   in node names (``/model/layers.0/mlp/Add``) or metadata (torch.onnx's ``name_scopes``); the
-   point is the value leaving that module (or entering it) with the model's hidden width;
+   in node names (``/model/layers.0/mlp/Add``) or metadata (torch.onnx's ``name_scopes``), under a
+   wrapper's prefix or none (Graph.align); the point is the value leaving that module (or entering it)
+   with the model's hidden width, seen through onnxruntime's quantizer nodes (unquantized);
 5. structure: the k-th norm op of hidden width (fused LayerNormalization / RMSNormalization /
    SimplifiedLayerNormalization / Skip*LayerNormalization, or a decomposed RMSNorm or LayerNorm) is
    the k-th norm the family has, so its output is that norm's point (``attn_in`` after ``attn_norm``)
