@@ -110,7 +110,7 @@ def test_weights_are_placed_by_name_under_a_prefix_or_by_their_readers_module_pa
 
     ckpt, candidate = foreign("bert", "qoperator")
     g = _Graph(candidate)
-    places = _Places(open_checkpoint(ckpt), candidate)
+    places = _Places(open_checkpoint(ckpt))
     # by name: the wrapper's "inner." where the checkpoint has "bert."
     assert places.of("inner.encoder.layer.1.output.LayerNorm.weight").hf == \
         "bert.encoder.layer.1.output.LayerNorm.weight"

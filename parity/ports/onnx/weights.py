@@ -257,8 +257,7 @@ def _points(g: _Graph, ckpt, projections: set[str], path: Path) -> dict[str, dic
     for node in g.nodes:
         point = node.input[0].removesuffix("_QuantizeLinear_Input") if node.op_type == "QuantizeLinear" else None
         if point in captures and point != node.input[0] and node.input[0] not in projections:
-            c = captures[point]
-            found[point] = {**g.qparams(node), "module": c.module, "io": c.io, "arg": c.arg, "field": c.field}
+            found[point] = _rounded_at(captures[point], g.qparams(node))
             named.add(node.output[0])
     if not any(n.op_type == "QuantizeLinear" and n.output[0] not in named for n in g.nodes):
         return found
@@ -281,9 +280,13 @@ def _points(g: _Graph, ckpt, projections: set[str], path: Path) -> dict[str, dic
                               f"(a Q/DQ pair) where no capture point is, so the reference cannot round it as the "
                               f"graph does: parity reads back graphs whose quantizer rounded only the projections' "
                               f"inputs (quantize_static(..., nodes_to_quantize=the MatMuls by a weight))")
-        c = captures[point]
-        found[point] = {**g.qparams(dq), "module": c.module, "io": c.io, "arg": c.arg, "field": c.field}
+        found[point] = _rounded_at(captures[point], g.qparams(dq))
     return found
+
+
+def _rounded_at(c, rounding: dict) -> dict:
+    """A Q/DQ pair's rounding, where the capture map reads its point (OrtArithmetic.points)."""
+    return {**rounding, "module": c.module, "io": c.io, "arg": c.arg, "field": c.field}
 
 
 @dataclass(frozen=True)
@@ -296,10 +299,10 @@ class _Place:
 class _Places:
     """Where each of a graph's weights belongs in the checkpoint (the module docstring)."""
 
-    def __init__(self, ckpt, path: Path):
+    def __init__(self, ckpt):
         from parity.checkpoint import stored_tensor_map
 
-        self.path, self.family = path, ckpt.resolved.family
+        self.family = ckpt.resolved.family
         self.stored = stored_tensor_map(ckpt.resolved, ckpt.check())
         try:
             self.by_neutral, self.unmapped = neutral_map(self.stored, "ONNX"), None
@@ -359,7 +362,7 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
                           f"beyond QLinearMatMul); parity reads back quantize_dynamic, QDQ, QLinearMatMul and "
                           f"MatMulNBits graphs (quantize the projections only: nodes_to_quantize=the MatMuls by a "
                           f"weight)")
-    places = _Places(ckpt, Path(path))
+    places = _Places(ckpt)
     originals = Dequantizer.of(ckpt)
     arithmetic, tensors, types, wrong, projections = OrtArithmetic(), {}, {}, {}, set()
     found: list[tuple[_Place, str, torch.Tensor, str, dict | None]] = []

@@ -32,6 +32,7 @@ boundaries it moves an activation across.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,15 +48,16 @@ BLOCK_INVERSES = ("127/amax", "1/scale")
 PAIRS = "int16 pairs"  # a projection's products summed as MLAS's u8 x s8 kernels without VNNI sum them
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache  # read once: every quantized projection of a graph asks
+def _cpu_flags() -> frozenset[str]:
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return set()
+        return frozenset()
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def block_inverse() -> str:
