@@ -91,15 +91,26 @@ class Report:
     # a model no adapter knows (docs/generic.md): {"family_known": false, "model_type", "discovered" (where its
     # structure was found), "unchecked" (the conventions no check covers)}; None: the family's adapter was read
     generic: dict | None = None
+    # how the candidate's weights were judged (parity.checker.judging): {"same_weights", "chosen", "how", "weights"
+    # (what the candidate's kind says of them: quantized, scheme, bits per weight, types)}
+    judging: dict | None = None
+    # a quantized candidate (or a gate given): {"cost": its logit metrics and each point's rel_l2 against the float
+    # reference, "gate": {"max_kl", "min_top1", "failed", "passed"} or None}
+    quantization: dict | None = None
 
     @property
     def failing(self) -> list[PointResult]:
         return [p for p in self.points if p.compared and not p.passed]
 
     @property
+    def gate_failed(self) -> list[str]:
+        """Why the gate on the quantization's cost (--max-kl, --min-top1) fails; [] where it holds or none is set."""
+        return list(((self.quantization or {}).get("gate") or {}).get("failed") or [])
+
+    @property
     def verdict(self) -> str:
         compared = [p for p in self.points if p.compared]
-        return "pass" if compared and not self.failing else "fail"
+        return "pass" if compared and not self.failing and not self.gate_failed else "fail"
 
     @property
     def first_divergence(self) -> PointResult | None:
@@ -159,6 +170,8 @@ class Report:
             "drilldown": None if self.drilldown is None else {**self.drilldown, "ops": [
                 op.to_json() if isinstance(op, PointResult) else op for op in self.drilldown.get("ops") or []]},
             "generic": self.generic,
+            "judging": self.judging,
+            "quantization": self.quantization,
         }
 
     @classmethod
@@ -195,7 +208,9 @@ class Report:
                        generation=_typed(data.get("generation"), (dict, type(None)), "generation"), layers=layers,
                        decode=_typed(data.get("decode"), (dict, type(None)), "decode"),
                        drilldown=_drilldown(data.get("drilldown")),
-                       generic=_typed(data.get("generic"), (dict, type(None)), "generic"))
+                       generic=_typed(data.get("generic"), (dict, type(None)), "generic"),
+                       judging=_typed(data.get("judging"), (dict, type(None)), "judging"),
+                       quantization=_quantization(data.get("quantization")))
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ParityError(f"{source}: a parity report with a missing or malformed field "
                               f"({str(exc)[:120]!r}); {fix}") from None
@@ -233,6 +248,17 @@ def _point(p: dict) -> PointResult:
                        run=_typed(p.get("run", 0), int, "run"),
                        step=_typed(p.get("step"), (int, type(None)), "step"),
                        plain_rel_l2=None if p.get("rel_l2_plain") is None else _float(p["rel_l2_plain"]))
+
+
+def _quantization(q) -> dict | None:
+    """The quantization's cost and gate as the JSON holds them: a gate's reasons are what the verdict reads."""
+    if _typed(q, (dict, type(None)), "quantization") is None:
+        return None
+    gate = _typed(q.get("gate"), (dict, type(None)), "quantization.gate")
+    if gate is not None:
+        for why in _typed(gate.get("failed") or [], list, "quantization.gate.failed"):
+            _typed(why, str, "a gate's failure")
+    return q
 
 
 def _drilldown(d) -> dict | None:
@@ -306,6 +332,7 @@ def merge_slices(reports: list[tuple[str, Report]]) -> Report:
     points = sorted((p for _, r in ordered for p in r.points), key=lambda p: names.point_order(p.name))
     merged = Report(family=first.family, reference=first.reference, candidate=first.candidate, dtype=first.dtype,
                     mode=first.mode, layerwise=first.layerwise, points=points, calibrated=first.calibrated,
+                    judging=first.judging, quantization=_merged_cost([r for _, r in ordered]),
                     layers={"start": 0, "stop": of, "of": of,
                             "slices": [[r.layers["start"], r.layers["stop"]] for _, r in ordered]})
     last = ordered[-1][1]
@@ -322,6 +349,17 @@ def merge_slices(reports: list[tuple[str, Report]]) -> Report:
                      "first_divergence": next((m["first_divergence"] for m in mine if m["first_divergence"]), None)})
     merged.inputs = {**first.inputs, "runs": runs}
     return merged
+
+
+def _merged_cost(ordered: list[Report]) -> dict | None:
+    """The slices' quantization costs as one: every slice's points, the last slice's logits and gate (the
+    logits are its own)."""
+    costs = [r.quantization for r in ordered if r.quantization]
+    if not costs:
+        return None
+    last = costs[-1]
+    points = {name: e for q in costs for name, e in ((q.get("cost") or {}).get("points") or {}).items()}
+    return {**last, "cost": {**(last.get("cost") or {}), "points": points}}
 
 
 def _run_ids(report: Report) -> list:

@@ -39,6 +39,9 @@ and optionally::
                                                     # conversion the engine options ask for, as the runner's
     def arithmetic(out) -> object | None            # how its engine computes, as same_weights saved it in out
                                                     # (parity.reference.arithmetic); None: float32 as transformers
+    def weights(path, engine) -> Weights | None     # how it stores its weights (parity.candidates.weights): a
+                                                    # quantized one is judged at its own weights by default; None:
+                                                    # it cannot tell
     def check_ids(path, ids, ckpt) -> Found | None  # a candidate that records the token ids it ran (a dump): None
                                                     # where they are the reference's ``ids``, the input mistake it
                                                     # made (parity.dumps.mistakes.Found: a BOS doubled, ...), else
@@ -124,6 +127,7 @@ class Kind:
     takes: str = ""
     generic: bool = False
     check_ids: Callable | None = None
+    weights: Callable | None = None
 
     @property
     def injects(self) -> bool:
@@ -147,7 +151,8 @@ def kinds() -> dict[str, Kind]:
                                    *(getattr(m, f, None) for f in ("validate", "shapes", "describe", "check_span",
                                                                    "make_decoder", "same_weights", "check_options",
                                                                    "arithmetic")), getattr(m, "TAKES", ""),
-                                   generic=getattr(m, "GENERIC", False), check_ids=getattr(m, "check_ids", None))
+                                   generic=getattr(m, "GENERIC", False), check_ids=getattr(m, "check_ids", None),
+                                   weights=getattr(m, "weights", None))
     return {k.name: k for k in (_loaded[m] for m in KINDS + ENGINES)}
 
 

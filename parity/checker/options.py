@@ -19,7 +19,7 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 def _option(default, flag: str | None = None, help: str = "", **cli):
     """A field with its command-line option: ``flag`` (None: not on the command line), its help, and click's
     ``is_flag``, ``multiple``, ``choices``, ``metavar``, ``count`` (an int >= 0), ``path``, ``show_default``,
-    ``secondary`` (the off switch of a --x/--no-x flag)."""
+    ``secondary`` (the off switch of a --x/--no-x flag), ``number`` (a float in the range (min, max); None: open)."""
     metadata = {"flag": flag, "help": help, **cli}
     if isinstance(default, (list, tuple)):
         return field(default=tuple(default), metadata=metadata)
@@ -80,9 +80,20 @@ class CheckOptions:
     layers: str | None = _option(None, "--layers", "Check only layers [A, B), fed the reference's (a golden's) input "
                                  "to layer A; join the slices' JSON reports with `parity report merge`.",
                                  metavar="A:B")
-    same_weights: bool = _option(False, "--same-weights", "Quantized candidates (the kinds that give their weights "
-                                 "back: `parity engines`): run the reference on the candidate's own (dequantized) "
-                                 "weights, so that quantization is not taken for a porting mistake.", is_flag=True)
+    same_weights: bool | None = _option(None, "--same-weights", "How a quantized candidate is judged. "
+                                        "--same-weights: the reference runs the candidate's own (dequantized) weights "
+                                        "as its engine computes, so that quantization is not taken for a porting "
+                                        "mistake (the default for a quantized candidate, with --calibrate; the "
+                                        "quantization's cost against the float reference is reported beside). "
+                                        "--float-reference: the reference runs the checkpoint's float weights, and "
+                                        "the quantization's error counts as the port's (the default for a float "
+                                        "candidate).", secondary="--float-reference")
+    max_kl: float | None = _option(None, "--max-kl", "Also fail when the candidate's logits are further from the "
+                                   "float reference than this mean KL divergence (nats per position): a gate on "
+                                   "what the quantization costs.", number=(0.0, None), metavar="NATS")
+    min_top1: float | None = _option(None, "--min-top1", "Also fail when fewer than this share of positions "
+                                     "(0-1) have the float reference's top token as the candidate's: a gate on "
+                                     "what the quantization costs.", number=(0.0, 1.0), metavar="SHARE")
     diagnose: bool = _option(True)                 # name the likely mistake at the first divergence
     adapter_dirs: tuple[Path, ...] = _option(())   # --adapters: parity.cli.common.adapters_option
 

@@ -22,6 +22,7 @@ import torch
 from parity import candidates, names
 from parity.checker.drill import drill
 from parity.checker.judge import merge
+from parity.checker.judging import Judging, choose, cost_of, cost_options, gate
 from parity.checker.options import CheckOptions
 from parity.checker.plan import Plan, engine_options, make_plan
 from parity.checker.prefill import PromptCheck
@@ -50,13 +51,63 @@ def check(reference: Path, candidate: Path, options: CheckOptions | None = None,
     candidates), ``attn`` and ``compile`` (transformers candidates), ``engine_options``, ``stream`` (weights a layer
     at a time; None: when they would not fit), ``device`` and ``candidate_device``, ``layers`` "A:B" (a slice, from
     the reference's input to layer A; ``parity report merge`` joins slices), ``points`` ("ops": every operation too),
-    ``same_weights`` (the reference runs the candidate's own weights: check_same_weights). ``progress(message)`` and
-    ``on_layer(model, done, total)`` report what it is doing.
+    ``same_weights`` (True: the reference runs the candidate's own weights, check_same_weights; False: the
+    checkpoint's float weights; None: the candidate's own where they are quantized, parity.checker.judging),
+    ``max_kl`` and ``min_top1`` (a gate on the candidate's logits against the float reference).
+    ``progress(message)`` and ``on_layer(model, done, total)`` report what it is doing (first, how a quantized
+    candidate is judged).
     """
     options = CheckOptions.of(options, **given)
-    if options.same_weights:
-        return check_same_weights(reference, candidate, options, progress=progress, on_layer=on_layer)
-    return run(make_plan(Path(reference), candidate, options), progress=progress, on_layer=on_layer)
+    judging = choose(Path(reference), candidate, options)
+    if progress is not None and judging.line():
+        progress(judging.line())
+    if judging.same_weights:
+        if judging.chosen == "default":  # what --same-weights --calibrate does: tolerances from the engine's rounding
+            options = replace(options, calibrate=True)
+        report = check_same_weights(reference, candidate, options, progress=progress, on_layer=on_layer)
+    else:
+        report = run(make_plan(Path(reference), candidate, options), progress=progress, on_layer=on_layer)
+    report.judging = judging.to_json()
+    if judging.cost or judging.quantized:
+        _quantization_cost(reference, candidate, options, judging, report, progress, on_layer)
+    if judging.quantized and not judging.same_weights:
+        _quantization_said(judging, report)
+    return report
+
+
+def _quantization_said(judging: Judging, report: Report) -> None:
+    """A quantized candidate judged against the float weights whose error no catalogued mistake explains: the
+    diagnosis says that its quantization accounts for an error of this size, measured where --calibrate ran the
+    reference on the file's own weights."""
+    unknown = next((d for d in report.diagnosis if d.get("bug") == "unknown"), None)
+    first = report.first_divergence
+    if unknown is None or first is None:
+        return
+    if first.noise:
+        size = (f"its weights alone move {first.name} by rel_l2 {first.noise:.2g} (the reference run on them), "
+                f"and the candidate is {first.rel_l2 / first.noise:.2g}x that")
+    else:
+        size = f"an error of this size ({first.rel_l2:.2g}) is what a quantization costs"
+    fix = ("judge the port at its own weights: drop --float-reference" if not judging.why
+           else f"it cannot be judged at its own weights here ({judging.why})")
+    unknown["evidence"] += f" The candidate is {judging.weights.words()}: {size}; {fix}."
+
+
+def _quantization_cost(reference: Path, candidate, options: CheckOptions, judging: Judging, report: Report,
+                       progress, on_layer) -> None:
+    """What the candidate's quantization costs against the float reference (a float check is that comparison
+    itself; a check at the candidate's own weights runs it once more, without diagnosis), and the gate on it."""
+    if judging.same_weights and not judging.cost:
+        return
+    if judging.same_weights:
+        (progress or (lambda message: None))("measuring the quantization's cost against the float reference")
+        against = run(make_plan(Path(reference), candidate, cost_options(options)), progress=progress,
+                      on_layer=on_layer)
+        report.warnings += [w for w in against.warnings if w not in report.warnings]
+    else:
+        against = report
+    cost = cost_of(against)
+    report.quantization = {"cost": cost, "gate": gate(cost, options)}
 
 
 def run(plan: Plan, *, progress: Callable[[str], None] | None = None,

@@ -149,6 +149,8 @@ def _click_option(f):
         kw["type"] = click.Choice(list(m["choices"]))
     if m.get("count"):
         kw["type"] = click.IntRange(min=0)
+    if m.get("number"):
+        kw["type"] = click.FloatRange(*m["number"])
     if m.get("path"):
         kw["type"] = click.Path(path_type=Path)
     for key in ("metavar", "show_default"):

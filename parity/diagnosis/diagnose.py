@@ -20,6 +20,9 @@ from parity.diagnosis import bugs
 
 # A hypothesis explains the candidate when its residual is below this share of the candidate's error.
 EXPLAINS = 0.05
+# ... and is listed as the closest of an unknown diagnosis only when its residual is below this share: one that
+# leaves the error as it was explains none of it (a quantized file's error is no catalogued mistake's)
+CLOSEST = 0.5
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -171,10 +174,17 @@ def _named(scored: list, baseline: float, where: str, evidence_tail: str) -> lis
                         "evidence": f"{where}: the candidate matches {bug.explains} ({bug.id}), residual "
                                     f"{residual:.1e} vs {baseline:.2g}{evidence_tail}."})
         return out
-    closest = ", ".join(f"{bug.id} (residual {r:.2g})" for r, bug in scored[:3])
+    closest = ", ".join(f"{bug.id} (residual {r:.2g})" for r, bug in scored[:3] if r < CLOSEST * baseline)
+    if closest:
+        said = f"closest: {closest}"
+    elif scored:
+        said = (f"none of the {len(scored)} applicable explains any real share of it (the best leaves "
+                f"{scored[0][0] / baseline:.0%} of the error)")
+    else:
+        said = "none applies here"
     return [{"bug": "unknown", "confidence": 0.0, "residual": scored[0][0] if scored else None,
              "evidence": f"{where}: no catalogued mistake reproduces the candidate (its error {baseline:.2g}); "
-                         f"closest: {closest or 'none applicable'}{evidence_tail}."}]
+                         f"{said}{evidence_tail}."}]
 
 
 def diagnose_decode(reference_dir: Path, kept: dict, ids: torch.Tensor, tokens: list[int], dtype: torch.dtype,

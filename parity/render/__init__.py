@@ -59,6 +59,9 @@ def console(report: Report, console: Console, *, per_layer: bool = False) -> Non
             facts.sci(p.tolerance.rel_l2), *([facts.times(p.noise_ratio) if p.noise else "-"] if calibrated else []),
             facts.cos_text(p.cosine)]
         table.add_row(Text(label), *(Text(c) for c in cells), bar, Text(status, style=_style(status)))
+    line = facts.judged(report)
+    if line:  # the first line: what the candidate's weights are and how they were judged
+        console.print(Text(line, style="bold"), soft_wrap=True)
     console.print(table)
     console.print(Text(verdict(report), style="bold green" if report else "bold red"), soft_wrap=True)
     sentence = facts.drill_sentence(report)
@@ -107,8 +110,9 @@ def markdown(report: Report) -> str:
     calibrated = facts.calibrated(report)
     headers = facts.headers(report)
     sentence = facts.drill_sentence(report)
-    lines = [f"## {_md(facts.title(report))}", "", f"*How the two sides ran:* {_md(facts.mode_words(report)[1])}.",
-             "", f"**{_md(verdict(report))}**", "", *([_md(sentence), ""] if sentence else []),
+    judged = facts.judged(report)
+    lines = [f"## {_md(facts.title(report))}", "", *([f"*Weights:* {_md(judged)}.", ""] if judged else []),
+             f"*How the two sides ran:* {_md(facts.mode_words(report)[1])}.", "", f"**{_md(verdict(report))}**", "", *([_md(sentence), ""] if sentence else []),
              "| " + " | ".join(headers) + " |",
              "|" + "|".join("---:" if h in ("rel_l2", "tolerance", "max_abs") else "---" for h in headers) + "|"]
     for p, label, status in facts.rows(report):
@@ -135,9 +139,11 @@ def markdown(report: Report) -> str:
 def junit(report: Report) -> str:
     """JUnit XML: one testcase per point; failing points carry <failure>, uncompared ones <skipped/>."""
     classname = f"parity.{report.family}"
-    failures = sum(p.compared and not p.passed for p in report.points)
+    gate = (report.quantization or {}).get("gate")
+    failures = sum(p.compared and not p.passed for p in report.points) + bool(report.gate_failed)
     skipped = sum(not p.compared for p in report.points)
-    counts = {"tests": str(len(report.points)), "failures": str(failures), "errors": "0", "skipped": str(skipped)}
+    counts = {"tests": str(len(report.points) + bool(gate)), "failures": str(failures), "errors": "0",
+              "skipped": str(skipped)}
     root = ET.Element("testsuites", name="parity", **counts)
     suite = ET.SubElement(root, "testsuite", name=classname, **counts)
     for p in report.points:
@@ -150,6 +156,10 @@ def junit(report: Report) -> str:
             failure.text = (f"rel_l2 {facts.sci(p.rel_l2)} (tolerance {facts.sci(p.tolerance.rel_l2)}, "
                             f"{p.tolerance.source}), cosine {facts.cos_text(p.cosine)}, "
                             f"max_abs {facts.sci(p.max_abs)}, noise {facts.sci(p.noise)}")
+    if gate:  # --max-kl / --min-top1: what the quantization costs against the float reference
+        case = ET.SubElement(suite, "testcase", classname=classname, name="quantization gate", time="0")
+        if report.gate_failed:
+            ET.SubElement(case, "failure", message="; ".join(report.gate_failed), type="QuantizationCost")
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 

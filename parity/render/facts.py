@@ -105,15 +105,31 @@ def needed(p: PointResult) -> str:
 
 
 def verdict(report: Report) -> str:
-    """The verdict sentence: 'PASS: 37 points within tolerance' or 'FAIL at <point>: <why>; ...'."""
+    """The verdict sentence: 'PASS: 37 points within tolerance' or 'FAIL at <point>: <why>; ...', and the gate on
+    the quantization's cost where one is set."""
     compared = [p for p in report.points if p.compared]
-    if report.verdict == "pass":
+    gate = report.gate_failed
+    gated = f"the quantization costs more than the gate allows ({'; '.join(gate)})" if gate else ""
+    if not report.failing and compared:
+        if gate:
+            return f"FAIL: {len(compared)} point{'s' * (len(compared) != 1)} within tolerance, but {gated}"
         return f"PASS: {len(compared)} point{'s' * (len(compared) != 1)} within tolerance"
     first = report.first_divergence
     if first is None:
         return "FAIL: no capture point was compared"
     smallest = needed(first)
-    return f"FAIL at {label(first)}: {why(first)}" + (f"; smallest passing tolerance {smallest}" if smallest else "")
+    return (f"FAIL at {label(first)}: {why(first)}" + (f"; smallest passing tolerance {smallest}" if smallest else "")
+            + (f"; and {gated}" if gate else ""))
+
+
+def judged(report: Report) -> str | None:
+    """What the candidate's weights are and how they were judged, for the line under the title; None for a float
+    candidate judged as always."""
+    j = report.judging or {}
+    w = j.get("weights")
+    if not j or (not (w or {}).get("quantized") and j.get("chosen") == "default"):
+        return None
+    return f"candidate {w['words'] if w else 'weights unknown'}; {j.get('how')}"
 
 
 def label(p: PointResult) -> str:
@@ -263,6 +279,9 @@ def extras(report: Report) -> list[tuple[str, list[str]]]:
                 quantized.append(f"candidate: {what}, {q.get('dequantized')} weights dequantized to {q.get('dtype')}: "
                                  f"rel_l2 max {num(q.get('rel_l2_max', 0))}{worst}, "
                                  f"mean {num(q.get('rel_l2_mean', 0))}")
+    cost = (report.quantization or {}).get("cost")
+    if cost:
+        quantized += cost_lines(report)
     if quantized:
         out.append(("quantization", quantized))
     if report.decode:
@@ -273,6 +292,25 @@ def extras(report: Report) -> list[tuple[str, list[str]]]:
     if report.warnings:
         out.append(("warnings", list(report.warnings)))
     return out
+
+
+def cost_lines(report: Report) -> list[str]:
+    """The quantization's cost against the float reference: the logits, the points it moves most, the gate."""
+    q = report.quantization or {}
+    cost, gate = q.get("cost") or {}, q.get("gate")
+    items = [f"{k} {num(cost[k])}" for k in ("kl_mean", "kl_max", "top1_agreement", "top5_overlap")
+             if cost.get(k) is not None]
+    lines = [f"cost against the float reference: {' · '.join(items) if items else 'no logits compared'}"]
+    points = cost.get("points") or {}
+    if len(points) > 1:
+        worst = sorted(points.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else 0)[:3]
+        lines.append("cost per point (information, not judged): rel_l2 " + ", ".join(
+            f"{name} {sci(e)}" for name, e in worst) + f" (the largest of {len(points)})")
+    if gate:
+        bounds = " and ".join(f"{flag} {gate[k]:g}" for k, flag in (("max_kl", "--max-kl"), ("min_top1", "--min-top1"))
+                              if k in gate)
+        lines.append(f"gate {bounds}: " + ("holds" if gate.get("passed") else "FAILS: " + "; ".join(gate["failed"])))
+    return lines
 
 
 def decode_lines(d: dict) -> list[str]:

@@ -325,9 +325,11 @@ def html(report: Report) -> str:
     extras = "".join(f"<h2>{escape(heading)}</h2><ul>" + "".join(f"<li>{escape(i)}</li>" for i in items) + "</ul>"
                      for heading, items in facts.extras(report))
     title = escape(facts.title(report))
+    judged = facts.judged(report)
     sentence = facts.drill_sentence(report)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f"<style>{CSS}</style></head>\n<body>\n<h1>{title}</h1>\n"
+            f"<style>{CSS}</style></head>\n<body>\n<h1>{title}</h1>\n" +
+            (f'<p class="mode"><b>Weights:</b> {escape(judged)}.</p>\n' if judged else "") +
             f'<p class="mode"><b>How the two sides ran:</b> {escape(facts.mode_words(report)[1])}.</p>\n'
             f'<p class="verdict {status_cls}">{escape(facts.verdict(report))}</p>\n' +
             (f'<p class="drill">{escape(sentence)}</p>\n' if sentence else "") +
