@@ -79,6 +79,7 @@ TIERS: dict[str, set[str]] = {
     "test_gguf_quantize.py": {"engine"},
     "test_mlx.py": {"engine"},
     "test_openvino.py": {"engine"},
+    "test_quantized_engines.py": {"engine"},
     "test_real_gguf.py": {"engine", "real"},
     "test_real_onnx.py": {"real"},
     "test_families.py": {"family"},
@@ -108,6 +109,11 @@ NODE_TIERS: dict[str, set[str]] = {
     "tests/test_python_engine.py::test_transformer_lens_*": {"engine"},
     "tests/test_python_engine.py::test_isolated_the_mistake_is_in_every_attention_and_no_mlp": {"engine"},
     "tests/test_python_engine.py::test_not_a_python_file_and_an_unknown_entry": {"engine"},
+    "tests/test_weights_kinds.py::test_gguf_*": {"engine"},
+    "tests/test_weights_kinds.py::test_mlx_*": {"engine"},
+    "tests/test_weights_kinds.py::test_openvino_*": {"engine"},
+    "tests/test_weights_kinds.py::test_ctranslate2_*": {"engine"},
+    "tests/test_weights_kinds.py::test_real_*": {"engine", "real"},
     # family: the tests of a file otherwise outside the matrices parametrized over every family (or every family an
     # engine runs), and the selftest over all families
     "tests/test_bugs.py::test_selftest_matrix_totals": {"family"},
@@ -190,6 +196,9 @@ NODE_TIERS: dict[str, set[str]] = {
     "tests/test_onnx_foreign.py::test_a_third_party_quantized_export_passes[llama-q*": {"slow"},
     "tests/test_onnx_foreign.py::test_a_third_party_quantized_export_passes[llama-int4]": {"slow"},
     "tests/test_readme.py::test_readme_selftest_rows_are_what_a_run_produces": {"slow"},  # 67 s: selftest of 3 families
+    # the correct int8 export and the gate stay fast (16 s); the broken twin and the float candidates are slow
+    "tests/test_quantized.py::test_a_broken_int8_export_fails_with_no_flag_and_is_named": {"slow"},  # 15 s
+    "tests/test_quantized.py::test_a_float_candidate_is_checked_as_it_always_was": {"slow"},  # 11 s
     "tests/test_rope.py::test_real_config_tables_match_transformers[*": {"slow"},  # 14 s for the 12 configs
 }
 

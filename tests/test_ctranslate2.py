@@ -203,7 +203,7 @@ def test_int8_weights_are_read_back(made, tmp_path):
 
     reference = made("llama")
     int8 = convert(reference, "int8")
-    result, report = _check(reference, f"ct2:{int8}", tmp_path / "a.json")
+    result, report = _check(reference, f"ct2:{int8}", tmp_path / "a.json", "--float-reference")
     assert result.exit_code == 1 and report["candidate"]["tensor_types"] == {"int8": 12}
     plain = report["points"][-1]["rel_l2"]
     assert 1e-2 < plain < 0.5  # under 0.1 with AVX-512 VNNI; 0.24 on AVX2 alone
@@ -216,6 +216,12 @@ def test_int8_weights_are_read_back(made, tmp_path):
     result, report = _check(reference, f"ct2:{int8}", tmp_path / "c.json", "--calibrate")
     assert result.exit_code == 0, result.output
     assert report["candidate"]["quantization"]["types"] == {"int8": 16}
+    # with no flag the same: its int8 activations are not emulated, so the default is the float reference,
+    # calibrated to what the weights' quantization costs (the first line says why)
+    result, report = _check(reference, f"ct2:{int8}", tmp_path / "n.json")
+    assert result.exit_code == 0, result.output
+    assert not report["judging"]["same_weights"] and report["calibrated"]
+    assert "CTranslate2's int8 activations" in result.output.splitlines()[0]
     # the checkpoint itself with quantization=int8: the same conversion (the cache's), read back alike
     for extra, name in ((("--same-weights", "--engine-option", "compute_type=float32"), "d.json"),
                         (("--calibrate",), "e.json")):

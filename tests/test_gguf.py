@@ -285,7 +285,7 @@ def test_same_weights_builds_the_reference_from_the_files_own_weights(tmp_path, 
     reference = released("llama")
     out = tmp_path / "q8.gguf"
     assert _cli("convert", reference, "--to", "gguf", "-o", out, "--gguf-type", "Q8_0").exit_code == 0
-    _, plain = _check(reference, out, tmp_path / "plain.json")
+    _, plain = _check(reference, out, tmp_path / "plain.json", "--float-reference")
     _, same = _check(reference, out, tmp_path / "same.json", "--same-weights")
     first = lambda report: next(p for p in report["points"] if p["name"] == "layers.0.attn_in")  # noqa: E731
     assert first(plain)["rel_l2"] > 1e-3 and first(same)["rel_l2"] < 1e-6
@@ -430,8 +430,9 @@ def test_same_weights_and_quantization_noise_do_not_absorb_a_broken_layout(gguf_
     out = tmp_path / "twin.gguf"
     assert _cli("convert", reference, "--to", "gguf", "-o", out, "--gguf-type", gguf_type, "--inject",
                 bug).exit_code == 0
-    for mode in ("--same-weights", "--calibrate"):
-        result, report = _check(reference, out, tmp_path / f"r{mode}.json", mode)
+    for mode in ("--same-weights", "--calibrate"):  # --calibrate against the float weights: the noise is the file's
+        extra = ("--float-reference",) if mode == "--calibrate" else ()
+        result, report = _check(reference, out, tmp_path / f"r{mode}.json", mode, *extra)
         assert result.exit_code == 1, (mode, result.output)
         assert report["first_divergence"]["point"] == first, mode
         if mode == "--same-weights" or gguf_type != "F32":  # an all-F32 file is calibrated as usual: nothing read back
@@ -449,7 +450,7 @@ def test_a_q8_0_file_passes_within_tolerances_measured_on_its_own_quantization(t
     reference = released("llama")
     out = tmp_path / "q8.gguf"
     assert _cli("convert", reference, "--to", "gguf", "-o", out, "--gguf-type", "Q8_0").exit_code == 0
-    result, report = _check(reference, out, tmp_path / "r.json", "--calibrate")
+    result, report = _check(reference, out, tmp_path / "r.json", "--calibrate", "--float-reference")
     assert result.exit_code == 0, result.output
     compared = [p for p in report["points"] if p["compared"]]
     assert all(p["tolerance"]["source"].startswith("calibrated") for p in compared)

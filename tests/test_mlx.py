@@ -188,16 +188,17 @@ def test_a_4_bit_conversion_passes_on_its_own_weights(tmp_path, released, quanti
     assert held["types"] == {"affine-4bit": 15, "F32": 11} and held["not_a_quantization"] == {}
     assert max(p["rel_l2"] for p in report["points"]) < 1e-5
     # judged on the checkpoint's own weights, the same file fails by its quantization's error
-    result, report = _check(released("qwen2"), quantized, tmp_path / "plain.json", "--layerwise")
+    result, report = _check(released("qwen2"), quantized, tmp_path / "plain.json", "--layerwise", "--float-reference")
     assert result.exit_code == 1 and report["first_divergence"]["point"] == "embed"
     assert report["candidate"]["tensor_types"] == {"affine-4bit": 15, "F32": 11}
 
 
 def test_quantized_through_an_engine_option(tmp_path, released):
     result, report = _check(released("qwen2"), released("qwen2"), tmp_path / "r.json", "--layerwise",
-                            "--engine-option", "bits=8", "--engine-option", "group_size=32")
+                            "--engine-option", "bits=8", "--engine-option", "group_size=32", "--float-reference")
     assert result.exit_code == 1  # float32 tolerances: 8 bits are visible, and said to be the quantization's
-    assert any("8-bit quantization" in w for w in report["warnings"])
+    assert result.output.startswith("candidate quantized: affine 8-bit, groups of 32") and \
+        "the quantization's error counts as the port's" in result.output.splitlines()[0]
     assert 1e-6 < report["logits"]["kl_max"] < 1e-3 and report["logits"]["top1_agreement"] > 0.9
 
 
@@ -304,7 +305,7 @@ def test_a_quantizing_option_is_read_back_by_same_weights_and_calibrate(tmp_path
     assert max(p["rel_l2"] for p in report["points"]) < 1e-5
     assert report["candidate"]["tensor_types"] == {"affine-4bit": 15, "F32": 11}
     result, report = _check(qwen2, qwen2, tmp_path / "c.json", "--layerwise", "--calibrate",
-                            "--engine-option", "bits=4")
+                            "--engine-option", "bits=4", "--float-reference")
     assert result.exit_code == 0, result.output
     assert report["candidate"]["quantization"]["types"] == {"affine-4bit": 15, "F32": 11}
 

@@ -99,7 +99,7 @@ def test_int8_weights_fail_plainly_and_pass_on_their_own_weights(tiny_dir, tmp_p
     decompressed by OpenVINO as the reference (--same-weights on the IR), OpenVINO's f32 compute is exact."""
     reference = tiny_dir("llama")
     result, report = _check(reference, f"openvino:{reference}", tmp_path / "plain.json", "--layerwise",
-                            "--engine-option", "weights=int8")
+                            "--engine-option", "weights=int8", "--float-reference")
     assert result.exit_code == 1
     assert report["first_divergence"]["point"] == "embed" and report["points"][0]["rel_l2"] > 1e-3
     ir = conversions(reference)["int8"]  # the IR the check converted, in the cache
@@ -117,6 +117,12 @@ def test_int8_weights_fail_plainly_and_pass_on_their_own_weights(tiny_dir, tmp_p
     assert held["types"] == {"u8": 16} and not held["not_a_quantization"]
     assert max(p["rel_l2"] for p in report["points"]) < 1e-5
     assert held["from"] == ir
+    # with no flag, the int8 IR is judged on its own weights, and what int8 costs is reported beside
+    result, report = _check(reference, f"openvino:{reference}", tmp_path / "default.json", "--layerwise",
+                            "--engine-option", "weights=int8")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("candidate quantized: int8") and report["judging"]["same_weights"]
+    assert report["quantization"]["cost"]["points"]["embed"] > 1e-3
 
 
 def test_precision_other_than_dtype_is_warned_and_bad_options_refused(tiny_dir, tmp_path):

@@ -17,6 +17,7 @@ each step's logits (``return_logits_vocab``). No hidden state of any layer leave
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -65,6 +66,7 @@ def detect(path: Path) -> bool:
 
 _TYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
 _TYPE_NAMES = {0: "float32", 1: "int8", 2: "int16", 3: "int32", 4: "float16", 5: "bfloat16"}
+_QUANTIZATION_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # as --engine-option quantization
 
 
 class ModelBin:
@@ -127,9 +129,30 @@ class ModelBin:
         out: dict[str, int] = {}
         for shape, kind, _, _ in self.names.values():
             if len(shape) == 2:
-                name = {0: "F32", 4: "F16", 5: "BF16"}.get(kind, _TYPE_NAMES[kind])
-                out[name] = out.get(name, 0) + 1
+                out[_type_name(kind)] = out.get(_type_name(kind), 0) + 1
         return out
+
+    def weights(self):
+        """How it stores its weights (parity.candidates.weights.Weights): every variable but the scalar settings
+        and the int8 rows' scales (their bytes counted), by type; the scheme by CTranslate2's own name of the
+        quantization that stores them so ("int8_float16": int8 matrices, float16 elsewhere)."""
+        from parity.candidates.weights import FLOAT_TYPES, Tally, commonest
+
+        tally = Tally()
+        for name, (shape, kind, _, size) in self.names.items():
+            if name.endswith("_scale") and name.removesuffix("_scale") in self.names:
+                tally.stored += size
+            elif shape and kind != 3:  # int32: vocabulary ids, not weights
+                tally.add(_type_name(kind), math.prod(shape), size)
+        integer = commonest(tally.types)
+        floats = {_QUANTIZATION_FLOATS[t] for t in tally.types if t in FLOAT_TYPES}
+        rest = "" if floats <= {"float32"} else f"_{'/'.join(sorted(floats))}"
+        return tally.weights(f"{integer}{rest}" if integer is not None else "")
+
+
+def _type_name(kind: int) -> str:
+    """A type id by the name the check reads (float32 "F32": unquantized, as a GGUF names it)."""
+    return {0: "F32", 4: "F16", 5: "BF16"}.get(kind, _TYPE_NAMES[kind])
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,6 +397,32 @@ def describe(path: Path, engine: dict) -> dict:
     # reading weights back (its noise is the dtype's)
     return {"engine": "ctranslate2", "converted_by": "ctranslate2.converters.TransformersConverter",
             "tensor_types": {}}
+
+
+def weights(path: Path, engine: dict):
+    """How the model directory stores its weights (its model.bin's header: ModelBin.weights). A checkpoint, as
+    --engine-option quantization has it converted, without converting: an int8 / int16 one by CTranslate2's name of
+    it, a float one as its safetensors headers cast; without the option, converted at the check's --dtype: a float,
+    not quantized. Integer weights computed at an integer compute_type (the model's own by default) quantize the
+    activations too, which a reference on the dequantized weights does not (_Plain): said in ``unemulated``."""
+    from dataclasses import replace
+
+    from parity.candidates.weights import Weights, checkpoint
+
+    path = Path(path)
+    given = _checked(path, engine)
+    q = given.get("quantization")
+    if is_ct2_dir(path):
+        found = ModelBin(path / "model.bin").weights()
+    elif q is None:
+        return Weights()
+    else:
+        found = checkpoint(path, q) if q in _QUANTIZATION_FLOATS.values() else Weights(scheme=q)
+    compute = given.get("compute_type", "default")
+    if found.quantized and not compute.startswith(("float", "bfloat")):
+        integer = found.scheme.split("_", 1)[0]
+        return replace(found, unemulated=f"CTranslate2's {integer} activations, compute_type {compute}")
+    return found
 
 
 # --------------------------------------------------------------------------------------------

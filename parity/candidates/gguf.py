@@ -12,6 +12,7 @@ input, scale and mask, q/k rows put back in the reference's order); the referenc
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 import threading
 from pathlib import Path
@@ -302,12 +303,50 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dic
 def describe(path: Path, engine: dict | None = None) -> dict:
     """What the report's candidate entry adds: how many tensors the file holds of each GGML type (its header only,
     checked: a malformed file is refused in one line; nothing is dequantized)."""
-    from parity.ports.gguf.file import header_types
+    return {"tensor_types": weights(path).types}
 
-    types: dict[str, int] = {}
-    for kind, _, _ in header_types(Path(path)).values():
-        types[kind] = types.get(kind, 0) + 1
-    return {"tensor_types": types}
+
+def weights(path: Path, engine: dict | None = None):
+    """How the file stores its weights, from its header alone (a malformed file is refused in one line; nothing is
+    dequantized): tensors and weights per GGML type, stored bits per weight over every tensor (each type's bytes
+    per block, scales included), llama.cpp's name of the mix (general.file_type; without it, the type most
+    matrices are in), and where the output (or the embedding it is tied to) and the token embedding are stored
+    in another type than the mix's own (llama.cpp's mixes keep them wider)."""
+    from parity.candidates.weights import FLOAT_TYPES, Tally, commonest
+    from parity.ports.gguf.file import file_type, ggml_types, read_header
+
+    header, names = read_header(Path(path)), ggml_types()
+    tally, matrices, kinds = Tally(), {}, {}
+    for t in header.tensors:
+        kind = kinds[t.name] = names[t.type]
+        elements = math.prod(t.shape)
+        tally.add(kind, elements, t.nbytes)
+        if len(t.shape) > 1:
+            matrices[kind] = matrices.get(kind, 0) + 1
+    named = file_type(header)
+    if named is None:
+        scheme = commonest(matrices) or ""
+    else:
+        scheme = "" if named in FLOAT_TYPES else named
+    if not scheme:
+        return tally.weights()
+    # the type the mix is named after ("Q4_K_M": Q4_K, "Q8_0": itself), even where the file's rows fell back to
+    # another; an IQ mix's is the type most matrices are in
+    main = next((t for t in (scheme, scheme.rsplit("_", 1)[0]) if t in names.values()), commonest(matrices))
+    return tally.weights(scheme, _apart(kinds, main))
+
+
+def _apart(kinds: dict[str, str], main: str | None) -> tuple[str, ...]:
+    """The output's and the token embedding's types where they are not the mix's main type ("Q6_K output")."""
+    notes = []
+    tied = "output.weight" not in kinds
+    output = kinds.get("output.weight", kinds.get("token_embd.weight"))
+    if output is not None and output != main:
+        notes.append(f"{output} {'tied output' if tied else 'output'}")
+    embedding = kinds.get("token_embd.weight")
+    if not tied and embedding is not None and embedding != main:
+        notes.append(f"{embedding} token embedding")
+    return tuple(notes)
 
 
 def detect(path: Path) -> bool:

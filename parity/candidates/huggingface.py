@@ -150,3 +150,10 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
 
 def shapes(path: Path, adapter_dirs=()) -> list:
     return [info.shape for info in inventory(weight_files(Path(path))).values()]
+
+
+def weights(path: Path, engine: dict | None = None):
+    """Its tensors' dtypes, from the safetensors headers (a quantization_config names its scheme)."""
+    from parity.candidates.weights import checkpoint
+
+    return checkpoint(path)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import sys
 import threading
 from pathlib import Path
@@ -333,10 +334,6 @@ def _opened(candidate, ops: bool = False):
     conversion = settings(candidate)
     directory = model_dir(candidate.path, conversion)
     _refuse_other_weights(candidate, directory)
-    if "bits" in conversion:
-        candidate.notes.warn(f"the candidate is mlx-lm's {conversion['mode']} {conversion['bits']}-bit quantization "
-                             f"of the checkpoint: its error includes the quantization's; to judge its conventions "
-                             f"alone, add --same-weights")
     model, _ = load(directory)
     resolved = candidate.ckpt.resolved
     wanted = resolved.ops if ops and candidate.options.ops else ()
@@ -521,19 +518,73 @@ def describe(path: Path, engine: dict) -> dict:
     mlx_written = is_mlx_dir(path)
     if engine and not mlx_written:
         path = model_dir(path, conversion_settings(path, engine))
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    return {"engine": _version(), "written_by": "mlx-lm" if mlx_written else "transformers (converted by mlx-lm)",
+            "tensor_types": _stored(path).types}
+
+
+# mlx-lm's default group size per quantization mode (mlx_lm.convert's q_group_size=None)
+GROUP_SIZES = {"affine": 64, "mxfp4": 32, "nvfp4": 16, "mxfp8": 32}
+OUTPUT, EMBEDDINGS = "lm_head", ("embed_tokens", "wte", "embed_in", "word_embeddings")
+
+
+def weights(path: Path, engine: dict):
+    """How the model stores its weights: a directory mlx-lm wrote, from its config's quantization and its
+    safetensors headers (_stored); a Hugging Face checkpoint, from the conversion the engine options ask for,
+    without converting: its bits, mode and group size by name (which matrices mlx-lm quantizes is its to decide
+    when it converts), or unquantized, its safetensors headers cast to the conversion's dtype."""
+    from parity.candidates.weights import Weights, checkpoint
+
+    path = Path(path)
+    conversion = conversion_settings(path, engine)
+    if is_mlx_dir(path):
+        return _stored(path)
+    if "bits" not in conversion:
+        return checkpoint(path, conversion["dtype"])
+    return Weights(scheme=_scheme(conversion))
+
+
+def _scheme(quantization: dict) -> str:
+    """mlx-lm's quantization in words: "affine 4-bit, groups of 64"."""
+    mode = quantization.get("mode") or "affine"
+    return (f"{mode} {quantization['bits']}-bit, groups of "
+            f"{quantization.get('group_size') or GROUP_SIZES.get(mode, GROUP_SIZES['affine'])}")
+
+
+def _stored(directory: Path):
+    """An mlx-lm directory's weights (parity.candidates.weights.Weights) from its safetensors headers: a quantized
+    matrix (its ``.scales`` beside it) once, as "affine-4bit", of its packed uint32 columns' weights, its scales
+    and biases adding their bytes; the rest by dtype. The config's per-module overrides (mlx-lm's mixed recipes)
+    give a module its own bits; an output or embedding stored otherwise than the rest is noted."""
+    from parity.candidates.weights import Tally
+
+    config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
     quantization = config.get("quantization") or {}
-    types: dict[str, int] = {}
-    for f in _files(path):
+    mode = quantization.get("mode", "affine")
+    tally, kinds = Tally(), {}
+    for f in _files(directory):
         entries = _header(f).tensors
         for name, entry in entries.items():
+            module = name.removesuffix(".weight")
             if name.endswith((".scales", ".biases")) and name.rsplit(".", 1)[0] + ".weight" in entries:
+                tally.stored += entry.end - entry.begin
                 continue
-            quantized = name.endswith(".weight") and name.removesuffix(".weight") + ".scales" in entries
-            kind = f"{quantization.get('mode', 'affine')}-{quantization.get('bits')}bit" if quantized else entry.dtype
-            types[kind] = types.get(kind, 0) + 1
-    return {"engine": _version(), "written_by": "mlx-lm" if mlx_written else "transformers (converted by mlx-lm)",
-            "tensor_types": types}
+            elements = math.prod(entry.shape)
+            if name.endswith(".weight") and module + ".scales" in entries:
+                override = quantization.get(module)
+                bits = (override if isinstance(override, dict) else quantization).get("bits")
+                kind, elements = f"{mode}-{bits}bit", elements * 32 // bits
+            else:
+                kind = entry.dtype
+            kinds[module] = kind
+            tally.add(kind, elements, entry.end - entry.begin)
+    if not quantization.get("bits"):
+        return tally.weights()
+    main = f"{mode}-{quantization['bits']}bit"
+    output = next((kinds[m] for m in kinds if m.endswith(OUTPUT)), None)
+    embedding = next((kinds[m] for m in kinds if m.endswith(EMBEDDINGS)), None)
+    notes = [f"{kind} {what}" for kind, what in ((output, "output"), (embedding, "embedding"))
+             if kind is not None and kind != main]
+    return tally.weights(_scheme(quantization), notes)
 
 
 def shapes(path: Path, adapter_dirs=()) -> list:

@@ -100,3 +100,10 @@ def check_span(path: Path, start: int, stop: int) -> None:
         if source is not None and source < start:
             raise ParityError(f"--layers {start}:{stop}: layer {i} reuses the keys and values of layer {source}; "
                               f"start the slice at {source} or earlier")
+
+
+def weights(path: Path, engine: dict | None = None):
+    """Its tensors' dtypes, from the safetensors headers (convert dequantized a quantized source: describe says how)."""
+    from parity.candidates.weights import checkpoint
+
+    return checkpoint(path)

@@ -344,12 +344,9 @@ def _shorten(items: list[str], n: int = 6) -> str:
 
 
 def describe(path: Path, engine: dict | None = None) -> dict:
-    """What the report's candidate entry adds: the weights by how the graph stores them (parity.ports.onnx.weights)."""
-    from parity.ports.onnx.weights import tensor_types
-
-    file = onnx_file(Path(path))
-    # open_model refuses an unreadable file in one line, before anything else reads it
-    return {"tensor_types": tensor_types(open_model(file))} if file is not None else {}
+    """What the report's candidate entry adds: the weights by how the graph stores them (weights)."""
+    found = weights(path)
+    return {"tensor_types": found.types} if found is not None else {}
 
 
 def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dict:
@@ -451,3 +448,13 @@ def arithmetic(out: Path):
     from parity.reference.arithmetic.ort import OrtArithmetic
 
     return OrtArithmetic.load(Path(out))
+
+
+def weights(path: Path, engine: dict | None = None):
+    """How the graph stores its weights and which quantizer's form it holds (parity.ports.onnx.weights.stored),
+    from its initializers' dims and types: external data is checked, never read (open_model refuses an unreadable
+    file in one line, before anything else reads it)."""
+    from parity.ports.onnx.weights import stored
+
+    file = onnx_file(Path(path))
+    return stored(open_model(file)) if file is not None else None

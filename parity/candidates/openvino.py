@@ -413,3 +413,20 @@ def arithmetic(out: Path):
     from parity.reference.arithmetic.ggml import Arithmetic
 
     return Arithmetic.load(Path(out))
+
+
+def weights(path: Path, engine: dict):
+    """How the IR stores its weights (parity.ports.openvino.stored: its .xml alone). A checkpoint, as the
+    --engine-option weights setting has it converted, without converting: its IR's where the cache holds that
+    conversion; else float32 as converted (its safetensors headers), or NNCF's mode by name."""
+    from parity.candidates.weights import Weights, checkpoint
+    from parity.ports.openvino import stored
+
+    chosen = checked(engine)["weights"]
+    xml = ir_file(path)
+    if xml is None:
+        made = conversions(path).get(chosen or "none")
+        xml = Path(made) if made is not None else None
+    if xml is not None:
+        return stored(xml)
+    return Weights(scheme=WEIGHTS[chosen].lower()) if chosen else checkpoint(path, "float32")

@@ -6,6 +6,7 @@ arithmetic (parity.checker.plan), and the report's header says what the quantiza
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # storage types that are the checkpoint's values, merely rounded to a narrower float: not a quantization
@@ -20,13 +21,16 @@ class Weights:
     weights each type holds, where the file says (bits per weight are counted over them); ``scheme``: the
     quantization's own name ("Q4_K_M", "int8, dynamic activations (MatMulInteger)", "affine 4-bit, groups of 64"),
     "" when not quantized; ``notes``: what sets the file apart from its scheme's name ("Q6_K output");
-    ``bits_per_weight``: stored bits (scales included) per weight over every tensor, None where unknown."""
+    ``bits_per_weight``: stored bits (scales included) per weight over every tensor, None where unknown;
+    ``unemulated``: see below."""
 
     types: dict[str, int] = field(default_factory=dict)
     scheme: str = ""
     bits_per_weight: float | None = None
     parameters: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    unemulated: str = ""  # why a reference on these weights would not compute as the engine does (its int8
+                          # activations, say): the default then judges against the float weights, calibrated
 
     @property
     def quantized(self) -> bool:
@@ -58,3 +62,48 @@ class Weights:
 def bits_per_weight(stored_bytes: int, parameters: int) -> float | None:
     """Stored bits per weight, rounded to what a reader compares (4.85), None without weights."""
     return round(8 * stored_bytes / parameters, 2) if parameters else None
+
+
+class Tally:
+    """What a kind's reader counts as it walks a header: tensors and weights per storage type, and the bytes they
+    and what only serves them (scales, zero points) take."""
+
+    def __init__(self):
+        self.types: dict[str, int] = {}
+        self.parameters: dict[str, int] = {}
+        self.stored = 0
+
+    def add(self, kind: str, elements: int, nbytes: int) -> None:
+        self.types[kind] = self.types.get(kind, 0) + 1
+        self.parameters[kind] = self.parameters.get(kind, 0) + elements
+        self.stored += nbytes
+
+    def weights(self, scheme: str = "", notes=()) -> Weights:
+        return Weights(dict(self.types), scheme, bits_per_weight(self.stored, sum(self.parameters.values())),
+                       dict(self.parameters), tuple(notes))
+
+
+def commonest(types: dict[str, int]) -> str | None:
+    """The quantized type most tensors are stored in (a mix's main type), None where all are floats."""
+    found = sorted((t for t in types if t not in FLOAT_TYPES), key=lambda t: (-types[t], t))
+    return found[0] if found else None
+
+
+def checkpoint(path, dtype: str | None = None) -> Weights:
+    """A Hugging Face checkpoint's (or neutral directory's) weights as its safetensors headers state them, or as a
+    conversion to ``dtype`` ("float16") would store them: its float tensors cast, the rest as they are. The
+    config's quantization_config names its scheme, where it has one; its packed tensors' bits are then unknown."""
+    from pathlib import Path
+
+    from parity.checkpoint import inventory, read_config, weight_files
+    from parity.storage.shards import CODES, DTYPE_BITS, FLOAT_DTYPES
+
+    cast = CODES[dtype] if dtype is not None else None
+    tally = Tally()
+    for info in inventory(weight_files(Path(path))).values():
+        code = cast if cast is not None and info.dtype in FLOAT_DTYPES else info.dtype
+        elements = math.prod(info.shape)
+        tally.add(code, elements, elements * DTYPE_BITS[code] // 8)
+    config = read_config(Path(path))[0] if cast is None and (Path(path) / "config.json").is_file() else {}
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    return Weights(tally.types, str(method)) if method else tally.weights()

@@ -103,6 +103,9 @@ def choose(reference: Path, candidate, options: CheckOptions) -> Judging:
                 why = f"a {kind.name} candidate cannot give its weights back"
             elif truth.stored:
                 why = "a golden reference holds activations, not weights to run the file's own on"
+            elif weights.unemulated:
+                why = (f"the reference cannot compute as the engine does ({weights.unemulated}), so tolerances are "
+                       f"10x what the file's quantization costs (--calibrate)")
             else:
                 same = True
     if gates:  # the gate reads the logits: refuse now a model that has none

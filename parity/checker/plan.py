@@ -216,7 +216,7 @@ def make_plan(reference: Path, candidate: Path, options: CheckOptions, arithmeti
     # a same-weights reference computes on the file's own weights: its noise is the engine's arithmetic, or, where
     # the engine computes in float32 (nothing to emulate), float32's own noise, as for an unquantized candidate
     quantized = (calibrate and not truth.stored and not o.same_weights
-                 and _quantized(kind, Path(candidate), dict(given.engine)))
+                 and _quantized(kind, Path(candidate), dict(given.engine), dtype))
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
     weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
     return Plan(truth, side, dtype, o.layerwise or ops, isolate, calibrate, quantized, arithmetic, tolerances, inputs,
@@ -319,11 +319,12 @@ def _pairs(option: str, items, example: str) -> dict[str, str]:
     return parsed
 
 
-def _quantized(kind: Kind, path: Path, engine: dict[str, str]) -> bool:
-    """A candidate whose noise is its quantization: one that can give its own weights back, unless its header (or
-    the conversion its engine options ask for) says every tensor is float32 (its noise is then the usual precision
-    noise)."""
+def _quantized(kind: Kind, path: Path, engine: dict[str, str], dtype: str) -> bool:
+    """A candidate whose noise is its weights' rounding: one that can give its own weights back, unless its kind
+    says (parity.candidates.weights, from its headers or the conversion its engine options ask for, nothing
+    converted) that they are float32, or a narrower float the check runs at (--dtype float16: the usual precision
+    noise). One whose kind cannot tell is read back."""
     if kind.same_weights is None:
         return False
-    types = (kind.describe(path, engine) if kind.describe is not None else {}).get("tensor_types")
-    return types is None or bool(set(types) - {"F32"})
+    weights = kind.weights(path, engine) if kind.weights is not None else None
+    return weights is None or weights.quantized or (weights.rounded and dtype == "float32")

@@ -66,6 +66,8 @@ def check(reference: Path, candidate: Path, options: CheckOptions | None = None,
             options = replace(options, calibrate=True)
         report = check_same_weights(reference, candidate, options, progress=progress, on_layer=on_layer)
     else:
+        if judging.quantized and judging.chosen == "default" and judging.weights.unemulated:
+            options = replace(options, calibrate=True)  # tolerances 10x what the file's quantization costs
         report = run(make_plan(Path(reference), candidate, options), progress=progress, on_layer=on_layer)
     report.judging = judging.to_json()
     if judging.cost or judging.quantized:
@@ -361,7 +363,23 @@ def check_same_weights(reference: Path, candidate: Path, options: CheckOptions, 
     # the reference the user named, built from the candidate's weights (and computing as its engine does)
     report.reference = {**report.reference, "path": str(reference), "same_weights": held}
     report.warnings += not_quantizations(held) + not_in_file(held) + not_emulated(held)
+    _reordered(held, report)
     return report
+
+
+def _reordered(held: dict, report: Report) -> None:
+    """A failing check of a file whose q/k tensors are the checkpoint's with their rows in the other RoPE order
+    than its engine rotates (read back: parity.ports.gguf.weights): the mistake is named from the weights, before
+    any hypothesis the executor re-runs (it keeps the checkpoint's own rows there, so none reproduces it)."""
+    swapped = held.get("rope_order_swapped") or []
+    if not swapped or report:
+        return
+    listed = ", ".join(swapped[:2]) + (f" and {len(swapped) - 2} more" if len(swapped) > 2 else "")
+    named = {"bug": "rope-permuted", "confidence": 1.0, "residual": None,
+             "evidence": f"{len(swapped)} q/k tensors of the file ({listed}) hold the checkpoint's rows in the other "
+                         f"RoPE order than the engine rotates: the converter permuted q/k for the wrong pairing "
+                         f"(interleaved pairs against half-split, or the reverse)"}
+    report.diagnosis = [named] + [d for d in report.diagnosis if d.get("bug") not in ("unknown", named["bug"])]
 
 
 def verify_golden(path: Path, reference: Path, *, adapter_dirs=(), progress: Callable[[str], None] | None = None,

@@ -178,8 +178,10 @@ def _named(scored: list, baseline: float, where: str, evidence_tail: str) -> lis
     if closest:
         said = f"closest: {closest}"
     elif scored:
-        said = (f"none of the {len(scored)} applicable explains any real share of it (the best leaves "
-                f"{scored[0][0] / baseline:.0%} of the error)")
+        best = scored[0][0]
+        said = ("none of those that apply explains any real share of it ("
+                + (f"the best leaves a residual of {best:.2g})" if best <= baseline else
+                   "each is further from the candidate than the reference is)"))
     else:
         said = "none applies here"
     return [{"bug": "unknown", "confidence": 0.0, "residual": scored[0][0] if scored else None,

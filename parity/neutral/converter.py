@@ -337,7 +337,7 @@ def _permute_rows(x: torch.Tensor, block: int, offset: int, perm: torch.Tensor, 
     return x.index_select(dim, index)
 
 
-def _restyles(name: str, layer: dict, source: str, target: str) -> bool:
+def restyles(name: str, layer: dict, source: str, target: str) -> bool:
     """Whether restyle_rope permutes tensor ``name`` (of a layer)."""
     if source == target:
         return False
@@ -348,7 +348,7 @@ def _restyles(name: str, layer: dict, source: str, target: str) -> bool:
 
 def restyle_rope(name: str, x: torch.Tensor, layer: dict, source: str, target: str) -> torch.Tensor:
     """Permute q/k rows (and what shares their layout) from ``source`` to ``target`` RoPE style."""
-    if not _restyles(name, layer, source, target):
+    if not restyles(name, layer, source, target):
         return x
     from parity.rope import half_permutation, interleave_permutation
 
@@ -489,7 +489,7 @@ def _as_stored(t: ResolvedTensor, stored: str, manifest: dict, source_style: str
     name = t.neutral[0]
     if dtype_code(manifest["tensors"][name]["dtype"]) != stored:
         return False
-    return not name.startswith("layers.") or not _restyles(name, manifest["layers"][int(name.split(".")[1])],
+    return not name.startswith("layers.") or not restyles(name, manifest["layers"][int(name.split(".")[1])],
                                                            source_style, style)
 
 

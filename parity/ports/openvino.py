@@ -11,6 +11,7 @@ friendly name, ``:k`` added for output k > 0); ``output(value)`` gives the OpenV
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,3 +361,65 @@ def _evaluate(ov, ports: list) -> list[np.ndarray]:
     request = compiled.create_infer_request()
     request.infer({})
     return [request.get_output_tensor(k).data.copy() for k in range(len(ports))]
+
+
+# --------------------------------------------------------------------------------------------
+# How an IR stores its weights: its .xml alone (each Const's element type, shape and size; the .bin is not read)
+
+FLOAT_ELEMENTS = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64"}
+DECOMPRESSION = ("Convert", "Subtract", "Multiply", "Reshape")   # NNCF's path from a compressed Const to its use
+
+
+def stored(xml: Path):
+    """How an IR stores its weights (parity.candidates.weights.Weights), from its .xml: every Const NNCF compressed
+    (u8, i8, u4, i4, nf4, ...) or left in float of more than one value (a norm's [1, 1, width], and RoPE's
+    frequencies, which cannot be told from one; not the shapes or epsilons), counted by its element type; the zero
+    points and scales of its decompression (a Subtract's or Multiply's second input, where the first comes from a
+    compressed Const) add their bytes only. The scheme is NNCF's mode as its rt_info records it (else the
+    commonest compressed type) and its groups: a Const of [out, groups, size] is compressed in groups of ``size``,
+    one of [out, in] per channel."""
+    import xml.etree.ElementTree as ElementTree
+
+    from parity.candidates.weights import Tally, commonest
+
+    try:
+        root = ElementTree.parse(xml).getroot()
+    except (OSError, ElementTree.ParseError) as exc:
+        raise ParityError(f"{xml}: not a readable OpenVINO IR ({exc}); convert it again") from None
+    layers = {layer.get("id"): layer for layer in root.iter("layer")}
+    feeds = {(e.get("to-layer"), e.get("to-port")): e.get("from-layer") for e in root.iter("edge")}
+    consts = {}
+    for lid, layer in layers.items():
+        data = layer.find("data")
+        if layer.get("type") == "Const" and data is not None:
+            shape = tuple(int(d) for d in (data.get("shape") or "").replace(" ", "").split(",") if d)
+            consts[lid] = (data.get("element_type"), shape, int(data.get("size") or 0))
+
+    def source(lid: str | None) -> str | None:
+        """The Const a value is decompressed from: back through each op's first input along DECOMPRESSION."""
+        while lid in layers and layers[lid].get("type") in DECOMPRESSION:
+            lid = feeds.get((lid, "0"))
+        return lid
+
+    compressed = {lid for lid, (kind, _, _) in consts.items() if _bits(kind)}
+    serves = {source(feeds.get((lid, "1"))) for lid, layer in layers.items()
+              if layer.get("type") in ("Subtract", "Multiply") and source(feeds.get((lid, "0"))) in compressed}
+    tally, groups = Tally(), {}
+    for lid, (kind, shape, size) in consts.items():
+        if lid in serves:
+            tally.stored += size
+            continue
+        elements = math.prod(shape)
+        if lid in compressed or (kind in FLOAT_ELEMENTS and shape and elements > 1):
+            tally.add(FLOAT_ELEMENTS.get(kind, kind), elements, size)
+            if lid in compressed:
+                groups.setdefault(kind, []).append(shape[-1] if len(shape) == 3 else None)
+    main = commonest(tally.types)
+    if main is None:
+        return tally.weights()
+    mode = root.find("rt_info/nncf/weight_compression/mode")
+    sizes = sorted({g for g in groups[main] if g is not None})
+    scheme = (f"{mode.get('value') if mode is not None else main}, "
+              f"{'groups of ' + '/'.join(map(str, sizes)) if sizes else 'per channel'}")
+    notes = [f"{len(groups[kind])} {kind} matrices" for kind in groups if kind != main]
+    return tally.weights(scheme, notes[:2])

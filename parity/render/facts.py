@@ -298,9 +298,12 @@ def cost_lines(report: Report) -> list[str]:
     """The quantization's cost against the float reference: the logits, the points it moves most, the gate."""
     q = report.quantization or {}
     cost, gate = q.get("cost") or {}, q.get("gate")
+    if not (report.judging or {}).get("same_weights"):  # the cost is the check itself: its table and logits
+        cost = {}
     items = [f"{k} {num(cost[k])}" for k in ("kl_mean", "kl_max", "top1_agreement", "top5_overlap")
              if cost.get(k) is not None]
-    lines = [f"cost against the float reference: {' · '.join(items) if items else 'no logits compared'}"]
+    lines = [f"cost against the float reference: {' · '.join(items) if items else 'no logits compared'}"] \
+        if cost else []
     points = cost.get("points") or {}
     if len(points) > 1:
         worst = sorted(points.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else 0)[:3]

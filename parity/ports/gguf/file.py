@@ -261,11 +261,25 @@ def _gguf():
     return gguf
 
 
+def ggml_types() -> dict[int, str]:
+    """GGML's tensor types, number -> gguf-py's name (12 -> "Q4_K")."""
+    return {int(t): t.name for t in _gguf().GGMLQuantizationType}
+
+
+def file_type(header: Header) -> str | None:
+    """llama.cpp's name of the file's mix, as its general.file_type states it (15 -> "Q4_K_M", 0 -> "F32"); None
+    where the key is absent or names no type this gguf-py knows."""
+    value = header.metadata.get("general.file_type")
+    known = {int(t): t.name for t in _gguf().LlamaFileType if t.name.startswith(("MOSTLY_", "ALL_"))}
+    if not isinstance(value, int) or value not in known:
+        return None
+    return known[value].removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
 def header_types(path: Path) -> dict[str, tuple[str, int, int]]:
     """{tensor name: (GGML type, row length, dimensions)} as the file's header states them, checked."""
-    gguf = _gguf()
-    return {t.name: (gguf.GGMLQuantizationType(t.type).name, t.shape[0], len(t.shape))
-            for t in read_header(path).tensors}
+    names = ggml_types()
+    return {t.name: (names[t.type], t.shape[0], len(t.shape)) for t in read_header(path).tensors}
 
 
 def open_gguf(path: Path):

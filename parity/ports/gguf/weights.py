@@ -48,7 +48,8 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     and laid out back as the checkpoint stores them, beside the reference's config and the arithmetic llama.cpp
     computes them with (parity.reference.arithmetic.ggml.Arithmetic, saved there). Returns what the file held:
     {"types": {GGML type: count}, "tensors": n, "not_a_quantization": {checkpoint tensor: rel_l2}, "bands": {type:
-    rel_l2}}."""
+    rel_l2}, "rope_order_swapped": [the checkpoint tensors among them whose rows are the checkpoint's in the other
+    RoPE order: a converter that permuted q/k for the wrong rotation]}."""
     import gguf
 
     from parity.checkpoint import stored_tensor_map
@@ -70,7 +71,7 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     manifest = build_manifest(ckpt, torch.float32, spec.rope_style, check.prefix, hashes=False)
     by_neutral = neutral_map(stored_tensor_map(r, check))
     source_style = r["positions.rope_style"]
-    out_tensors, types, wrong, requantized, blocks, unemulated = {}, {}, {}, {}, {}, []
+    out_tensors, types, wrong, requantized, blocks, unemulated, reordered = {}, {}, {}, {}, {}, [], []
     imatrix = any(key.startswith("quantize.imatrix") for key in reader.fields)  # its blocks depend on the data
     arithmetic = Arithmetic(gelu_table=r["mlp.activation"] == "gelu_tanh")
     originals = Dequantizer.of(ckpt)
@@ -109,6 +110,9 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
             if differing or not error <= band(kind):
                 wrong[hf_name] = error
                 x = original
+                if layer is not None and _other_order(one, original, kind, imatrix, name, layer, source_style,
+                                                      spec.rope_style):
+                    reordered.append(hf_name)
             else:
                 x = to_checkpoint(one - 1.0 if t.norm_offset else one)
             out_tensors[hf_name] = x.contiguous()
@@ -127,8 +131,22 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     write_reference(ckpt, Path(out), out_tensors, arithmetic, untie="output.weight" in names)
     return {"from": str(path), "types": types, "tensors": len(out_tensors), "not_a_quantization": wrong,
             "requantized": requantized, "blocks_not_requantized": blocks, "importance_matrix": imatrix,
-            "matmuls_not_emulated": unemulated,
+            "matmuls_not_emulated": unemulated, "rope_order_swapped": reordered,
             "bands": {kind: band(kind) for kind in sorted(types) if kind not in REQUANTIZABLE or imatrix}}
+
+
+def _other_order(stored: torch.Tensor, original: torch.Tensor, kind: str, imatrix: bool, name: str, layer: dict,
+                 source: str, target: str) -> bool:
+    """Whether a tensor that is not a quantization of the checkpoint's is one of its rows in the other RoPE
+    order than llama.cpp's architecture rotates (q/k permuted for interleaved pairs where it rotates halves, or
+    the reverse): the mistake is then named, not only the tensor."""
+    from parity.neutral.converter import restyles, restyle_rope
+
+    other = "half" if target == "interleaved" else "interleaved"
+    if not (restyles(name, layer, source, target) or restyles(name, layer, source, other)):
+        return False  # not a tensor whose rows follow the rotation
+    error, differing = judged(stored, restyle_rope(name, original, layer, source, other), kind, imatrix)
+    return not differing and error <= band(kind)
 
 
 def _tied_output(reader, arithmetic: Arithmetic) -> None:

@@ -23,6 +23,7 @@ tensor in the reference and is reported, so the check fails where it acts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -437,27 +438,129 @@ def _a_quantization(stored: torch.Tensor, expected: torch.Tensor, step: torch.Te
     return off.float().mean().item() <= STRAYS
 
 
-QUANTIZED_OPS = {"MatMulInteger", "MatMulNBits", "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear",
-                 "QLinearMatMul", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "GatherBlockQuantized"}
+# the inputs of a quantized op that are its quantization parameters (scales, zero points), not its weights
+QPARAMS = {"DequantizeLinear": (1, 2), "QuantizeLinear": (1, 2), "MatMulInteger": (2, 3), "MatMulNBits": (2, 3),
+           "QLinearMatMul": (1, 2, 4, 5, 6, 7), "MatMulIntegerToFloat": (2, 3, 4, 5), "DynamicQuantizeMatMul": (2, 3),
+           "GatherBlockQuantized": (2, 3)}
+DYNAMIC_OPS = ("DynamicQuantizeLinear", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul")
 
 
-def tensor_types(model) -> dict[str, int]:
-    """How many weights a graph (its ModelProto, read without external data) stores of each kind. A graph
-    without quantization ops reports its weights as "F32": unquantized, so that ``--calibrate`` keeps the
-    check's precision noise (parity.checker.plan reads F32 so) even for a float16 graph."""
+def stored(model):
+    """How a graph (its ModelProto, read without external data: dims and types only) stores its weights
+    (parity.candidates.weights.Weights), and the form its quantizer left (scheme).
+
+    Weights are the float initializers and the integer ones a quantized op (or a Cast) reads, every dim over 1:
+    the matrices, norms and biases, not the shape constants, epsilons or RoPE's [1, d] frequencies. MatMulNBits'
+    packed B counts as its N x K weights. Bits per weight: the bytes of the weights and of their scales and zero
+    points, over the weights' elements (a float32 graph: 32)."""
+    from parity.candidates.weights import FLOAT_TYPES, Tally, commonest
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    serves, packed, tables = _quantization_parameters(graph, inits, producer), {}, set()
+    for node in graph.node:
+        attrs = {a.name: a.i for a in node.attribute}
+        if node.op_type == "MatMulNBits" and node.input[1] in inits:
+            packed[node.input[1]] = (attrs.get("bits", 4), attrs["N"] * attrs["K"])
+        if node.op_type in ("Gather", "GatherBlockQuantized") and node.input[0] in inits:
+            tables.add(node.input[0])
+        if node.op_type == "GatherBlockQuantized" and node.input[0] in inits:  # uint8 data: 8 // bits a byte
+            table, bits = inits[node.input[0]], attrs.get("bits", 4)
+            per_byte = 8 // bits if _storage(table) == "uint8" else 1
+            packed[node.input[0]] = (bits, math.prod(table.dims) * per_byte)
+    tally, kinds = Tally(), {}
+    for name, init in inits.items():
+        kind = _storage(init)
+        if name in serves:
+            tally.stored += _bytes(init)
+            continue
+        if name in packed:
+            kind, elements = f"int{packed[name][0]}", packed[name][1]
+        elif kind is None or not init.dims or min(init.dims) < 2:
+            continue  # a constant, not a weight
+        else:
+            elements = math.prod(init.dims)
+        kinds[name] = kind
+        tally.add(kind, elements, _bytes(init))
+    main = commonest(tally.types)
+    scheme = _scheme(graph, main, inits) if main is not None else ""
+    notes = []
+    for table in sorted(tables & set(kinds)):
+        if scheme and kinds[table] != main:
+            notes.append(f"{kinds[table]} embedding")
+    floats = [n for n in graph.node if n.op_type in ("MatMul", "Gemm") and kinds.get(_source(n.input[1], producer))
+              in FLOAT_TYPES]
+    if scheme and floats:
+        notes.append(f"{len(floats)} float projection{'s' if len(floats) > 1 else ''}")
+    return tally.weights(scheme, notes[:2])
+
+
+def _quantization_parameters(graph, inits: dict, producer: dict) -> set[str]:
+    """The initializers that are scales and zero points: a quantized op's (QPARAMS), and a Mul's scale where the
+    other factor is a dynamic quantization's scale or an integer weight cast to float (the weight-only form)."""
+    found = set()
+    for node in graph.node:
+        for k in QPARAMS.get(node.op_type, ()):
+            if k < len(node.input) and node.input[k] in inits:
+                found.add(node.input[k])
+        if node.op_type == "Mul" and len(node.input) == 2:
+            for mine, other in (node.input, node.input[::-1]):
+                source = producer.get(other)
+                if mine in inits and source is not None and (source.op_type == "DynamicQuantizeLinear"
+                                                             or _cast_weight(source, inits)):
+                    found.add(mine)
+    return found
+
+
+def _scheme(graph, kind: str, inits: dict) -> str:
+    """The quantizer's form, named by the ops it left (onnxruntime's quantizers, or the weight-only Cast + Mul)."""
+    ops = {n.op_type for n in graph.node}
+    if "MatMulNBits" in ops:
+        sizes = sorted({next((a.i for a in n.attribute if a.name == "block_size"), 0) for n in graph.node
+                        if n.op_type == "MatMulNBits"})
+        return f"{kind} blocks of {'/'.join(map(str, sizes))} (MatMulNBits)"
+    dynamic = [op for op in DYNAMIC_OPS if op in ops]
+    if set(dynamic) - {"DynamicQuantizeLinear"}:  # a matmul of dynamically quantized activations
+        return f"{kind}, dynamic activations ({' + '.join(dynamic)})"
+    if "QLinearMatMul" in ops:
+        return f"{kind} QLinearMatMul"
+    if {"QuantizeLinear", "DequantizeLinear"} <= ops:
+        return f"{kind} QDQ (QuantizeLinear/DequantizeLinear)"
+    if "DequantizeLinear" in ops:
+        return f"{kind} weights, DequantizeLinear"
+    if any(_cast_weight(n, inits) for n in graph.node):
+        return f"{kind} weights, Cast + Mul(scale)"
+    return ""
+
+
+def _source(value: str, producer: dict) -> str:
+    """The initializer a projection's weight input is, through the Transpose or Cast in front of it."""
+    node = producer.get(value)
+    while node is not None and node.op_type in ("Transpose", "Cast"):
+        value, node = node.input[0], producer.get(node.input[0])
+    return value
+
+
+def _storage(init) -> str | None:
+    """An initializer's storage type by name ("int8", "float16"), None for one that is no weight (int64 shapes,
+    booleans)."""
+    from onnx import TensorProto as T
+
+    return {T.INT8: "int8", T.UINT8: "uint8", T.INT4: "int4", T.UINT4: "uint4", T.FLOAT: "float32",
+            T.FLOAT16: "float16", T.BFLOAT16: "bfloat16", T.DOUBLE: "float64"}.get(init.data_type)
+
+
+def _cast_weight(node, inits: dict) -> bool:
+    """A Cast of an integer initializer to float: the weight-only form's dequantization, before its Mul."""
+    return node.op_type == "Cast" and node.input[0] in inits and _storage(inits[node.input[0]]) in (
+        "int8", "uint8", "int4", "uint4")
+
+
+def _bytes(init) -> int:
+    """The bytes of an initializer's data by its dims and type (4-bit types packed two a byte)."""
     import onnx
 
-    inits = model.graph.initializer
-    if not any(node.op_type in QUANTIZED_OPS for node in model.graph.node):
-        return {"F32": len(inits)}
-    names = {onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT4: "int4",
-             onnx.TensorProto.UINT4: "uint4"}
-    packed = {node.input[1] for node in model.graph.node if node.op_type == "MatMulNBits"}
-    types: dict[str, int] = {}
-    for init in inits:
-        if init.name not in packed and (len(init.dims) < 2 or min(init.dims) < 2 or init.name.endswith(
-                ("_scale", "_scales", "_zero_point", "_zero_points"))):
-            continue  # scales, zero points, norms, biases and constants: not the matrices
-        kind = "int4" if init.name in packed else names.get(init.data_type, "float")
-        types[kind] = types.get(kind, 0) + 1
-    return types
+    if init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        return (math.prod(init.dims) + 1) // 2
+    return math.prod(init.dims) * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
