@@ -151,7 +151,7 @@ def test_closest_lists_only_mistakes_that_explain_a_share_of_the_error():
 
 
 def test_weights_in_words():
-    from parity.candidates.weights import Weights
+    from parity.weights import Weights
 
     q = Weights(types={"Q4_K": 168, "Q6_K": 1, "F32": 121}, scheme="Q4_K_M", bits_per_weight=4.91,
                 notes=("Q6_K output",))

@@ -39,7 +39,7 @@ and optionally::
                                                     # conversion the engine options ask for, as the runner's
     def arithmetic(out) -> object | None            # how its engine computes, as same_weights saved it in out
                                                     # (parity.reference.arithmetic); None: float32 as transformers
-    def weights(path, engine) -> Weights | None     # how it stores its weights (parity.candidates.weights): a
+    def weights(path, engine) -> Weights | None     # how it stores its weights (parity.weights.Weights): a
                                                     # quantized one is judged at its own weights by default; None:
                                                     # it cannot tell
     def check_ids(path, ids, ckpt) -> Found | None  # a candidate that records the token ids it ran (a dump): None

@@ -133,10 +133,10 @@ class ModelBin:
         return out
 
     def weights(self):
-        """How it stores its weights (parity.candidates.weights.Weights): every variable but the scalar settings
+        """How it stores its weights (parity.weights.Weights): every variable but the scalar settings
         and the int8 rows' scales (their bytes counted), by type; the scheme by CTranslate2's own name of the
         quantization that stores them so ("int8_float16": int8 matrices, float16 elsewhere)."""
-        from parity.candidates.weights import FLOAT_TYPES, Tally, commonest
+        from parity.weights import FLOAT_TYPES, Tally, commonest
 
         tally = Tally()
         for name, (shape, kind, _, size) in self.names.items():
@@ -407,7 +407,8 @@ def weights(path: Path, engine: dict):
     activations too, which a reference on the dequantized weights does not (_Plain): said in ``unemulated``."""
     from dataclasses import replace
 
-    from parity.candidates.weights import Weights, checkpoint
+    from parity.candidates.weights import checkpoint
+    from parity.weights import Weights
 
     path = Path(path)
     given = _checked(path, engine)

@@ -312,7 +312,7 @@ def weights(path: Path, engine: dict | None = None):
     per block, scales included), llama.cpp's name of the mix (general.file_type; without it, the type most
     matrices are in), and where the output (or the embedding it is tied to) and the token embedding are stored
     in another type than the mix's own (llama.cpp's mixes keep them wider)."""
-    from parity.candidates.weights import FLOAT_TYPES, Tally, commonest
+    from parity.weights import FLOAT_TYPES, Tally, commonest
     from parity.ports.gguf.file import file_type, ggml_types, read_header
 
     header, names = read_header(Path(path)), ggml_types()

@@ -532,7 +532,8 @@ def weights(path: Path, engine: dict):
     safetensors headers (_stored); a Hugging Face checkpoint, from the conversion the engine options ask for,
     without converting: its bits, mode and group size by name (which matrices mlx-lm quantizes is its to decide
     when it converts), or unquantized, its safetensors headers cast to the conversion's dtype."""
-    from parity.candidates.weights import Weights, checkpoint
+    from parity.candidates.weights import checkpoint
+    from parity.weights import Weights
 
     path = Path(path)
     conversion = conversion_settings(path, engine)
@@ -551,11 +552,11 @@ def _scheme(quantization: dict) -> str:
 
 
 def _stored(directory: Path):
-    """An mlx-lm directory's weights (parity.candidates.weights.Weights) from its safetensors headers: a quantized
+    """An mlx-lm directory's weights (parity.weights.Weights) from its safetensors headers: a quantized
     matrix (its ``.scales`` beside it) once, as "affine-4bit", of its packed uint32 columns' weights, its scales
     and biases adding their bytes; the rest by dtype. The config's per-module overrides (mlx-lm's mixed recipes)
     give a module its own bits; an output or embedding stored otherwise than the rest is noted."""
-    from parity.candidates.weights import Tally
+    from parity.weights import Tally
 
     config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
     quantization = config.get("quantization") or {}

@@ -419,7 +419,8 @@ def weights(path: Path, engine: dict):
     """How the IR stores its weights (parity.ports.openvino.stored: its .xml alone). A checkpoint, as the
     --engine-option weights setting has it converted, without converting: its IR's where the cache holds that
     conversion; else float32 as converted (its safetensors headers), or NNCF's mode by name."""
-    from parity.candidates.weights import Weights, checkpoint
+    from parity.candidates.weights import checkpoint
+    from parity.weights import Weights
     from parity.ports.openvino import stored
 
     chosen = checked(engine)["weights"]

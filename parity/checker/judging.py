@@ -3,8 +3,8 @@
 A quantized file asks two questions, and a check answers both by default: is the port right (the reference runs
 the file's own dequantized weights as its engine computes: --same-weights, calibrated to the engine's rounding),
 and what does the quantization cost (the candidate against the checkpoint's float weights at the logits: KL,
-top-1 and top-5 agreement, each point's rel_l2 as information; llama.cpp's users measure the same with
-``llama-perplexity --kl-divergence``). ``--max-kl`` / ``--min-top1`` gate that cost. A float candidate, or one
+top-1 and top-5 agreement, each point's rel_l2 as information: what users of quantized files measure against
+the float model). ``--max-kl`` / ``--min-top1`` gate that cost. A float candidate, or one
 judged with ``--float-reference``, is compared with the float reference alone, as it always was.
 """
 
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from parity.candidates.weights import Weights
+from parity.weights import Weights
 from parity.checker.options import CheckOptions
 from parity.errors import ParityError
 
@@ -126,9 +126,10 @@ def choose(reference: Path, candidate, options: CheckOptions) -> Judging:
 
 def cost_options(options: CheckOptions) -> CheckOptions:
     """The options of the float comparison that measures a quantization's cost: the same inputs, points and
-    slice; no calibration, diagnosis, decode or generation (its points are information, not a verdict)."""
+    slice, each side on its own outputs (the logits a user of the file gets); no calibration, diagnosis, decode or
+    generation (its points are information, not a verdict)."""
     return replace(options, same_weights=False, calibrate=False, diagnose=False, decode=0, generate=0, tolerance=(),
-                   points="layers", inject=None, max_kl=None, min_top1=None)
+                   points="layers", inject=None, isolate=False, max_kl=None, min_top1=None)
 
 
 def cost_of(report) -> dict:

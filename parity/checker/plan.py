@@ -321,7 +321,7 @@ def _pairs(option: str, items, example: str) -> dict[str, str]:
 
 def _quantized(kind: Kind, path: Path, engine: dict[str, str], dtype: str) -> bool:
     """A candidate whose noise is its weights' rounding: one that can give its own weights back, unless its kind
-    says (parity.candidates.weights, from its headers or the conversion its engine options ask for, nothing
+    says (parity.weights, from its headers or the conversion its engine options ask for, nothing
     converted) that they are float32, or a narrower float the check runs at (--dtype float16: the usual precision
     noise). One whose kind cannot tell is read back."""
     if kind.same_weights is None:

@@ -369,7 +369,7 @@ def check_same_weights(reference: Path, candidate: Path, options: CheckOptions, 
 
 def _reordered(held: dict, report: Report) -> None:
     """A failing check of a file whose q/k tensors are the checkpoint's with their rows in the other RoPE order
-    than its engine rotates (read back: parity.ports.gguf.weights): the mistake is named from the weights, before
+    than its engine rotates (said by the kind's read-back): the mistake is named from the weights, before
     any hypothesis the executor re-runs (it keeps the checkpoint's own rows there, so none reproduces it)."""
     swapped = held.get("rope_order_swapped") or []
     if not swapped or report:

@@ -380,7 +380,7 @@ def stored(xml: Path):
     one of [out, in] per channel."""
     import xml.etree.ElementTree as ElementTree
 
-    from parity.candidates.weights import Tally, commonest
+    from parity.weights import Tally, commonest
 
     try:
         root = ElementTree.parse(xml).getroot()

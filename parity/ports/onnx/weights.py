@@ -447,13 +447,13 @@ DYNAMIC_OPS = ("DynamicQuantizeLinear", "MatMulInteger", "MatMulIntegerToFloat",
 
 def stored(model):
     """How a graph (its ModelProto, read without external data: dims and types only) stores its weights
-    (parity.candidates.weights.Weights), and the form its quantizer left (scheme).
+    (parity.weights.Weights), and the form its quantizer left (scheme).
 
     Weights are the float initializers and the integer ones a quantized op (or a Cast) reads, every dim over 1:
     the matrices, norms and biases, not the shape constants, epsilons or RoPE's [1, d] frequencies. MatMulNBits'
     packed B counts as its N x K weights. Bits per weight: the bytes of the weights and of their scales and zero
     points, over the weights' elements (a float32 graph: 32)."""
-    from parity.candidates.weights import FLOAT_TYPES, Tally, commonest
+    from parity.weights import FLOAT_TYPES, Tally, commonest
 
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
