@@ -48,7 +48,7 @@ class Judging:
         else:
             how = "judged against the checkpoint's float weights"
             how += f" ({self.chosen})" if self.chosen != "default" else ""
-            if self.quantized:
+            if self.quantized and not (self.chosen == "default" and self.weights.unemulated):
                 how += ": the quantization's error counts as the port's"
         if self.why:
             how += f"; {self.why}"
