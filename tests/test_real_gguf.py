@@ -76,10 +76,33 @@ def test_llama_cpp_matmuls_are_reproduced_on_their_own_inputs():
         assert rel(x @ w.T) > 1e-3, (w_name, kind.name)
 
 
-@pytest.mark.parametrize("prompt", [None, TEXT], ids=["default-prompt", "real-text"])
+def _default(candidate: Path, report: Path):
+    """The command a new user types, with no flag: a quantized file is judged at its own weights by default."""
+    result = CliRunner().invoke(cli, ["check", "--reference", str(REAL / "hf"), "--candidate", str(candidate),
+                                      "--layerwise", "--report", str(report)], catch_exceptions=False)
+    return result, json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("prompt", [None, TEXT], ids=["default-prompt-no-flag", "real-text"])
 def test_the_real_file_passes_against_the_emulating_reference(prompt, tmp_path):
-    result, report = _check(REAL / "model.gguf", tmp_path / "r.json", *(["--prompt", prompt] if prompt else []))
+    """On the default prompt with no flag at all (docs/quantized.md quotes the run): the file is named Q4_K_M on
+    the first line, judged as --same-weights --calibrate judges it, and what it costs against the float checkpoint
+    is printed beside; on the real text with the flags named."""
+    if prompt is None:
+        result, report = _default(REAL / "model.gguf", tmp_path / "r.json")
+    else:
+        result, report = _check(REAL / "model.gguf", tmp_path / "r.json", "--prompt", prompt)
     assert result.exit_code == 0, result.output
+    if prompt is None:
+        first = result.output.splitlines()[0]
+        assert first.startswith("candidate quantized: Q4_K_M") and "bits per weight" in first, first
+        assert report["judging"]["same_weights"] and report["judging"]["chosen"] == "default" and report["calibrated"]
+        cost = report["quantization"]["cost"]
+        assert 1e-3 < cost["kl_mean"] < 0.5 and 0.7 < cost["top1_agreement"] < 1.0
+        assert "cost against the float reference: kl_mean" in result.output
+        # hf/ is the file's own weights dequantized (the only Qwen weights here), so the float reference is the
+        # plain same-weights one, bit for bit: the cost measured is llama.cpp's activation rounding alone
+        assert all(cost["points"][p["name"]] == p["rel_l2_plain"] for p in report["points"] if p["compared"])
     points = {p["name"]: p for p in report["points"] if p["compared"]}
     # the first matmuls: the emulating reference is 20x closer than the plain one
     assert points["layers.0.mid"]["rel_l2_plain"] > 20 * points["layers.0.mid"]["rel_l2"]
@@ -104,26 +127,6 @@ def test_isolated_every_point_is_5x_closer_to_the_emulating_reference(tmp_path):
     assert report["logits"]["kl_mean"] < 1e-3 * report["logits"]["against_plain"]["kl_mean"]
 
 
-def test_with_no_flag_the_port_is_judged_at_its_own_weights_and_the_quantization_costed(tmp_path):
-    """The command a new user types: the file is named Q4_K_M on the first line, judged at its own weights and
-    llama.cpp's arithmetic (it passes), and what Q4_K_M costs against the float checkpoint is printed (docs/quantized.md
-    quotes the run)."""
-    result = CliRunner().invoke(cli, ["check", "--reference", str(REAL / "hf"), "--candidate", str(REAL / "model.gguf"),
-                                      "--layerwise", "--report", str(tmp_path / "r.json")], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    first = result.output.splitlines()[0]
-    assert first.startswith("candidate quantized: Q4_K_M") and "bits per weight" in first, first
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert report["judging"]["same_weights"] and report["judging"]["chosen"] == "default" and report["calibrated"]
-    cost = report["quantization"]["cost"]
-    assert 1e-3 < cost["kl_mean"] < 0.5 and 0.7 < cost["top1_agreement"] < 1.0
-    assert "cost against the float reference: kl_mean" in result.output
-    # hf/ is the file's own weights dequantized (the only Qwen weights here), so the float reference is the plain
-    # same-weights one, bit for bit: the cost measured is llama.cpp's activation rounding alone
-    assert all(cost["points"][p["name"]] == p["rel_l2_plain"] for p in report["points"] if p["compared"])
-    assert report["points"][-1]["rel_l2"] < report["points"][-1]["tolerance"]["rel_l2"]
-
-
 # twin -> (the first failing point, the diagnosis, or None where no catalogued mistake reproduces it)
 TWINS = {"norms-shifted": ("layers.0.attn_in", "norm-offset-added"),
          "qk-permuted": ("layers.0.attn_out", "rope-permuted"),  # named from the file's own q/k rows
@@ -136,9 +139,7 @@ TWINS = {"norms-shifted": ("layers.0.attn_in", "norm-offset-added"),
 def test_a_broken_twin_fails_where_its_mistake_acts(mistake, tmp_path):
     """With no flag: a quantized file is judged at its own weights by default."""
     twin = write_twin(REAL / "model.gguf", tmp_path / "twin.gguf", mistake)
-    result = CliRunner().invoke(cli, ["check", "--reference", str(REAL / "hf"), "--candidate", str(twin),
-                                      "--layerwise", "--report", str(tmp_path / "r.json")], catch_exceptions=False)
-    report = json.loads((tmp_path / "r.json").read_text())
+    result, report = _default(twin, tmp_path / "r.json")
     assert result.exit_code == 1, result.output
     first = next(p for p in report["points"] if p["compared"] and not p["passed"])
     where, bug = TWINS[mistake]
