@@ -1,14 +1,15 @@
 """The engine x family matrix of docs/engines.md: every engine kind against transformers, on every family's tiny
 checkpoint (`parity make-tiny`, transformers' own classes) and on the real Qwen2.5-Coder-0.5B when present.
 
-    python bench/engines.py [--engines sdpa,mlx,openvino,ctranslate2] [--families llama,gemma2,...]
+    python bench/engines.py [--engines sdpa,mlx,ctranslate2,openvino] [--families llama,gemma2,...]
                             [--decode 8] [--real DIR] [--dir DIR] [--json out.json]
 
 Each cell is one `parity check --reference CKPT --candidate KIND:CKPT --layerwise [--decode N] --report r.json`
-(transformers' sdpa kernel: `--candidate CKPT --candidate-attn sdpa`) in a child process, in float32, the engine
-at its own float32 where it offers one. A cell gives the verdict (exit 0 pass, 1 fail, 2 no verdict with its
-reason), the first diverging point and the diagnosis, the worst rel_l2 over the compared points, the logits' KL
-mean and top-1 agreement, and the child's wall time and peak RSS. Markdown on stdout.
+(the --candidate its engine's kind names as MATRIX, e.g. `mlx:{checkpoint}`; transformers' sdpa kernel: `--candidate
+CKPT --candidate-attn sdpa`) in a child process, in float32, the engine at its own float32 where it offers one. A
+cell gives the verdict (exit 0 pass, 1 fail, 2 no verdict with its reason), the first diverging point and the
+diagnosis, the worst rel_l2 over the compared points, the logits' KL mean and top-1 agreement, and the child's wall
+time and peak RSS. Markdown on stdout.
 """
 
 from __future__ import annotations
@@ -21,14 +22,26 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 PARITY = [sys.executable, "-c", "from parity.cli import main; main()"]
-ENGINES = {"sdpa": lambda ckpt: [str(ckpt), "--candidate-attn", "sdpa"],
-           "mlx": lambda ckpt: [f"mlx:{ckpt}"],
-           "openvino": lambda ckpt: [f"openvino:{ckpt}"],
-           "ctranslate2": lambda ckpt: [f"ctranslate2:{ckpt}"]}
+TRANSFORMERS = {"sdpa": lambda ckpt: [str(ckpt), "--candidate-attn", "sdpa"]}
 SEED = ["bert", "gpt2", "llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "olmo2", "gemma", "gemma2", "gemma3",
         "gemma4", "mixtral", "qwen3_moe"]
+
+
+def engines() -> dict[str, Callable[[Path], list[str]]]:
+    """transformers' sdpa kernel, then every candidate kind that names its cell of the matrix (its MATRIX: the
+    --candidate of a checkpoint), in parity's order of kinds: an engine's folder adds its own row."""
+    import importlib
+
+    from parity.candidates import ENGINES, KINDS
+
+    found = dict(TRANSFORMERS)
+    for kind in map(importlib.import_module, KINDS + ENGINES):
+        if hasattr(kind, "MATRIX"):
+            found[kind.KIND] = lambda ckpt, spec=kind.MATRIX: [spec.format(checkpoint=ckpt)]
+    return found
 
 
 def families() -> list[str]:
@@ -51,8 +64,8 @@ def run(*args: str) -> tuple[int, str, float, float]:
     return code, (lines[-1] if lines else ""), time.perf_counter() - start, usage.ru_maxrss / 2**20
 
 
-def cell(engine: str, ckpt: Path, report: Path, decode: int) -> dict:
-    code, error, wall, rss = run("check", "--reference", str(ckpt), "--candidate", *ENGINES[engine](ckpt),
+def cell(candidate: list[str], ckpt: Path, report: Path, decode: int) -> dict:
+    code, error, wall, rss = run("check", "--reference", str(ckpt), "--candidate", *candidate,
                                  "--layerwise", "--report", str(report), *(["--decode", str(decode)] if decode else []))
     out = {"exit": code, "wall_s": round(wall, 1), "peak_rss_gib": round(rss, 2)}
     if code == 2 or not report.is_file():
@@ -80,7 +93,8 @@ def row(engine: str, family: str, c: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--engines", default=None, help="comma-separated (default: sdpa and every engine kind with "
+                                                         "a MATRIX entry)")
     parser.add_argument("--families", default=None, help="comma-separated (default: every built-in family)")
     parser.add_argument("--decode", type=int, default=0, help="also check N decode steps (causal families)")
     parser.add_argument("--real", type=Path, default=REAL if (REAL / "config.json").is_file() else None,
@@ -89,6 +103,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the tiny checkpoints go")
     parser.add_argument("--json", type=Path, default=None, help="also write every cell as JSON")
     args = parser.parse_args()
+    specs = engines()
     work = args.dir or Path(tempfile.mkdtemp(prefix="parity-bench-engines-"))
     work.mkdir(parents=True, exist_ok=True)
     checkpoints = {}
@@ -102,10 +117,10 @@ def main() -> None:
     cells = {}
     print("| engine | family | verdict | first divergence (diagnosis) | points compared | worst rel_l2 | KL mean "
           "| top-1 |\n|---|---|---|---|---|---|---|---|", flush=True)
-    for engine in args.engines.split(","):
+    for engine in args.engines.split(",") if args.engines else specs:
         for family, ckpt in checkpoints.items():
             decode = args.decode if family != "bert" else 0
-            c = cells[f"{engine} {family}"] = cell(engine, ckpt, work / "r.json", decode)
+            c = cells[f"{engine} {family}"] = cell(specs[engine](ckpt), ckpt, work / "r.json", decode)
             print(row(engine, family, c), flush=True)
     if args.json:
         args.json.write_text(json.dumps(cells, indent=1))

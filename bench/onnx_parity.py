@@ -23,7 +23,7 @@ from pathlib import Path
 
 import parity
 from parity.adapter import load_all
-from parity.ports.onnx.export import export
+from parity.engines.onnx.export import export
 from parity.reference.tiny import make_tiny
 
 

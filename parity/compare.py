@@ -42,7 +42,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -79,7 +79,7 @@ CHUNK_BYTES = 16 * 2**20
 # vectorised exp, log, ... take a smaller one: comparisons apply them to whole rows, with (log_)softmax)
 GRAIN = 32768
 THREAD_CHUNKS = 32  # the fewest chunks a comparison gives each of its threads
-ALLCLOSE = {"rtol": 1e-5, "atol": 1e-5}
+ALLCLOSE_RTOL, ALLCLOSE_ATOL = 1e-5, 1e-5  # what a final-output-only gate compares with: np.allclose(atol=1e-5)
 
 
 class OnDisk:
@@ -344,6 +344,18 @@ def logits_compared(candidate: torch.Tensor, reference: torch.Tensor) -> tuple[d
     return (metrics(candidate, reference), None) if both is None else both
 
 
+class _LogitBuffers(NamedTuple):
+    """A thread's float64 buffers for a chunk of logits, reused from chunk to chunk."""
+
+    c: torch.Tensor
+    r: torch.Tensor
+    log_p: torch.Tensor
+    log_q: torch.Tensor
+    p: torch.Tensor
+    within: torch.Tensor   # |c - r| <= atol + rtol * |r|, element by element
+    top: torch.Tensor      # top-k values (only the indices are kept)
+
+
 def _logits(c: torch.Tensor, r: torch.Tensor, point: bool) -> tuple[dict | None, dict] | None:
     """logit_metrics, and with ``point`` metrics too (else None in its place); None where logit_metrics is."""
     c, r = c.detach(), r.detach()
@@ -372,20 +384,20 @@ def _logits(c: torch.Tensor, r: torch.Tensor, point: bool) -> tuple[dict | None,
     close = [True]  # torch.allclose(c, r, rtol, atol) over every chunk so far
     pieces = lambda *ts: zip(*(_flat_chunks(t, limit) for t in ts))  # noqa: E731 - same shapes, same cuts
 
-    def setup() -> dict:
-        return {"c": _buffer(c, chunk), "r": _buffer(r, chunk), "log_p": _buffer(r, chunk),
-                "log_q": _buffer(r, chunk), "p": _buffer(r, chunk),
-                "within": torch.empty(chunk, dtype=torch.bool, device=dev),
-                "top": torch.empty(chunk[0], k, dtype=f64, device=dev)}
+    def setup() -> _LogitBuffers:
+        return _LogitBuffers(c=_buffer(c, chunk), r=_buffer(r, chunk), log_p=_buffer(r, chunk),
+                             log_q=_buffer(r, chunk), p=_buffer(r, chunk),
+                             within=torch.empty(chunk, dtype=torch.bool, device=dev),
+                             top=torch.empty(chunk[0], k, dtype=f64, device=dev))
 
-    def work(i: int, taken, own: dict) -> None:
+    def work(i: int, taken, own: _LogitBuffers) -> None:
         c64, r64 = taken
         n, start = r64.shape[0], starts[i]
         stop = start + n
-        log_p, log_q, p = own["log_p"][:n], own["log_q"][:n], own["p"][:n]
+        log_p, log_q, p = own.log_p[:n], own.log_q[:n], own.p[:n]
         # top-k and (log-)softmax run over whole rows: a chunk of one row, or of rows within one op's elements
-        torch.topk(r64, k, -1, out=(own["top"][:n], top_r[start:stop]))
-        torch.topk(c64, k, -1, out=(own["top"][:n], top_c[start:stop]))
+        torch.topk(r64, k, -1, out=(own.top[:n], top_r[start:stop]))
+        torch.topk(c64, k, -1, out=(own.top[:n], top_c[start:stop]))
         chunk_worst, sums[i] = [], []
         for d, w, cp, rp in pieces(log_p, p, c64, r64):  # metrics' pieces: the same shapes, the same cuts
             if point:  # max |d| is max(-min d, max d)
@@ -398,10 +410,10 @@ def _logits(c: torch.Tensor, r: torch.Tensor, point: bool) -> tuple[dict | None,
         worst[i] = torch.stack(chunk_worst).max()
         # |c - r| <= atol + rtol * |r| everywhere, on finite inputs: a chunk within atol is (atol + rtol * |r| >=
         # atol), and once an element is not, no other chunk needs looking at
-        if close[0] and worst[i].item() > ALLCLOSE["atol"]:
+        if close[0] and worst[i].item() > ALLCLOSE_ATOL:
             ok = torch.ones((), dtype=torch.bool, device=dev)
-            for d, a, rp, within in pieces(log_p, log_q, r64, own["within"][:n]):
-                allowed = torch.abs(rp, out=a).mul_(ALLCLOSE["rtol"]).add_(ALLCLOSE["atol"])
+            for d, a, rp, within in pieces(log_p, log_q, r64, own.within[:n]):
+                allowed = torch.abs(rp, out=a).mul_(ALLCLOSE_RTOL).add_(ALLCLOSE_ATOL)
                 ok &= torch.le(d.abs_(), allowed, out=within).all()
             if not ok.item():
                 close[0] = False
@@ -413,7 +425,7 @@ def _logits(c: torch.Tensor, r: torch.Tensor, point: bool) -> tuple[dict | None,
 
     threads = _threads(dev, 5 * 8 * chunk[0] * vocab, positions // chunk[0])
     _each_pair(zip(_row_blocks(c, rows), _row_blocks(r, rows)), threads, setup,
-               lambda cc, rc, own: (_upcast(cc, own["c"], limit), _upcast(rc, own["r"], limit)), work)
+               lambda cc, rc, own: (_upcast(cc, own.c, limit), _upcast(rc, own.r, limit)), work)
     agree = top_r[:, 0] == top_c[:, 0]
     # topk's indices are distinct within a row, so the matches count |topk_r & topk_c|
     overlap = (top_r.unsqueeze(-1) == top_c.unsqueeze(-2)).any(-1).sum(-1)

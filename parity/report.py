@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from parity.errors import ParityError
 
@@ -57,9 +57,35 @@ class PointResult:
             "noise": self.noise, "noise_ratio": self.noise_ratio, "nonfinite": self.nonfinite,
             "compared": self.compared, "needed": self.needed, "run": self.run, "step": self.step,
         }
-        if self.plain_rel_l2 is not None:
-            out["rel_l2_plain"] = self.plain_rel_l2
-        return out
+        return out if self.plain_rel_l2 is None else {**out, "rel_l2_plain": self.plain_rel_l2}
+
+
+class Span(NamedTuple):
+    """The layers [start, stop) of ``of`` a --layers report checked."""
+
+    start: int
+    stop: int
+    of: int
+
+
+class Head(NamedTuple):
+    """The head that carries most of the first diverging op's error."""
+
+    axis: str | None     # "head", "kv head"
+    index: int
+    share: float | None  # of the error (null in JSON for NaN)
+
+
+class DrillKeys(NamedTuple):
+    """What first_divergence says of the drill-down."""
+
+    op: str | None
+    op_before: str | None
+    head: Head | None
+    where: str | None
+
+    def to_json(self) -> dict:
+        return {**self._asdict(), "head": None if self.head is None else self.head._asdict()}
 
 
 @dataclass
@@ -99,6 +125,11 @@ class Report:
     quantization: dict | None = None
 
     @property
+    def span(self) -> Span | None:
+        """The --layers slice checked (``layers``); None for the whole model."""
+        return None if self.layers is None else Span(*(self.layers[key] for key in Span._fields))
+
+    @property
     def failing(self) -> list[PointResult]:
         return [p for p in self.points if p.compared and not p.passed]
 
@@ -124,17 +155,16 @@ class Report:
         ops = (self.drilldown or {}).get("ops") or []
         return [op if isinstance(op, PointResult) else PointResult.from_json(op) for op in ops]
 
-    def drill_keys(self) -> dict:
+    def drill_keys(self) -> DrillKeys:
         """first_divergence's op, op_before, head and where (the drill-down's summary, which names the op, the heads
         and the positions), read from the drill-down; null without one."""
         d = self.drilldown or {}
         concentration = d.get("concentration") or {}
         heads = concentration.get("heads") or {}
         carrier = heads.get("carrier")
-        head = None if carrier is None else {"axis": heads.get("axis"), "index": carrier,
-                                             "share": heads.get("shares", [])[carrier]}
-        return {"op": d.get("first"), "op_before": d.get("op_before"), "head": head,
-                "where": d.get("summary") or concentration.get("summary") or None}
+        head = None if carrier is None else Head(heads.get("axis"), carrier, heads.get("shares", [])[carrier])
+        return DrillKeys(op=d.get("first"), op_before=d.get("op_before"), head=head,
+                         where=d.get("summary") or concentration.get("summary") or None)
 
     @property
     def exit_code(self) -> int:
@@ -157,7 +187,7 @@ class Report:
             "first_divergence": None if first is None else {
                 "point": first.name, "rel_l2": first.rel_l2, "cosine": first.cosine, "max_abs": first.max_abs,
                 "tolerance": asdict(first.tolerance), "noise": first.noise, "noise_ratio": first.noise_ratio,
-                "nonfinite": first.nonfinite, "run": first.run, "step": first.step, **self.drill_keys(),
+                "nonfinite": first.nonfinite, "run": first.run, "step": first.step, **self.drill_keys().to_json(),
             },
             "diagnosis": self.diagnosis,
             "logits": self.logits,
@@ -182,7 +212,7 @@ class Report:
         if not isinstance(data, dict) or data.get("parity_report_version") != REPORT_VERSION:
             raise ParityError(f"{source}: not a parity report (parity_report_version {REPORT_VERSION}); {fix}")
         try:
-            points = [_point(p) for p in _typed(data["points"], list, "points")]
+            points = [_point(p) for p in _required(data, "points", list)]
             runs = _typed(_typed(data.get("inputs") or {}, dict, "inputs").get("runs", []), list, "inputs.runs")
             for run in runs:
                 _typed(run, dict, "a run")
@@ -194,11 +224,9 @@ class Report:
                 start, stop, of = (layers.get(k) for k in ("start", "stop", "of"))
                 if not all(type(x) is int for x in (start, stop, of)) or not 0 <= start < stop <= of:
                     raise ValueError(f"layers {layers!r} is not a slice 0 <= start < stop <= of")
-            return cls(family=_typed(data["family"], str, "family"),
-                       reference=_typed(data["reference"], dict, "reference"),
-                       candidate=_typed(data["candidate"], dict, "candidate"),
-                       dtype=_typed(data["dtype"], str, "dtype"), mode=_typed(data["mode"], str, "mode"),
-                       layerwise=_typed(data["layerwise"], bool, "layerwise"), points=points,
+            return cls(family=_required(data, "family", str), reference=_required(data, "reference", dict),
+                       candidate=_required(data, "candidate", dict), dtype=_required(data, "dtype", str),
+                       mode=_required(data, "mode", str), layerwise=_required(data, "layerwise", bool), points=points,
                        logits=_typed(data.get("logits"), (dict, type(None)), "logits"), inputs=data.get("inputs") or {},
                        diagnosis=_typed(data.get("diagnosis") or [], list, "diagnosis"),
                        calibrated=_typed(data.get("calibrated", False), bool, "calibrated"),
@@ -222,6 +250,16 @@ def _typed(value, kind, what: str):
     return value
 
 
+def _required(data: dict, key: str, kind, what: str | None = None):
+    """``data[key]`` (KeyError where it is missing), checked to be a ``kind``; ``what`` names it (default: the key)."""
+    return _typed(data[key], kind, key if what is None else what)
+
+
+def _metric(data: dict, key: str) -> float:
+    """A metric the JSON must hold (KeyError where it is missing)."""
+    return _float(data[key])
+
+
 def _float(x) -> float:
     """A metric as JSON holds it: a number, or null for NaN and Inf."""
     if x is None:
@@ -234,20 +272,21 @@ def _float(x) -> float:
 def _point(p: dict) -> PointResult:
     from parity import names
 
-    name = _typed(_typed(p, dict, "a point")["name"], str, "a point's name")
+    name = _required(_typed(p, dict, "a point"), "name", str, "a point's name")
     names.point_order(name)  # a name parity can place in forward order
-    tolerance = _typed(p["tolerance"], dict, "a point's tolerance")
-    return PointResult(name=name, max_abs=_float(p["max_abs"]),
-                       mean_abs=_float(p["mean_abs"]), rel_l2=_float(p["rel_l2"]), cosine=_float(p["cosine"]),
-                       tolerance=Tolerance(_float(tolerance["rel_l2"]),
+    tolerance = _required(p, "tolerance", dict, "a point's tolerance")
+    noise, plain = p.get("noise"), p.get("rel_l2_plain")  # null, or not written: none measured
+    return PointResult(name=name, max_abs=_metric(p, "max_abs"), mean_abs=_metric(p, "mean_abs"),
+                       rel_l2=_metric(p, "rel_l2"), cosine=_metric(p, "cosine"),
+                       tolerance=Tolerance(_metric(tolerance, "rel_l2"),
                                            _typed(tolerance.get("source", "default"), str, "a tolerance's source")),
-                       passed=_typed(p["passed"], bool, "passed"),
-                       noise=None if p.get("noise") is None else _float(p["noise"]),
+                       passed=_required(p, "passed", bool),
+                       noise=None if noise is None else _float(noise),
                        nonfinite=_typed(p.get("nonfinite"), (str, type(None)), "nonfinite"),
                        compared=_typed(p.get("compared", True), bool, "compared"),
                        run=_typed(p.get("run", 0), int, "run"),
                        step=_typed(p.get("step"), (int, type(None)), "step"),
-                       plain_rel_l2=None if p.get("rel_l2_plain") is None else _float(p["rel_l2_plain"]))
+                       plain_rel_l2=None if plain is None else _float(plain))
 
 
 def _quantization(q) -> dict | None:
@@ -265,11 +304,12 @@ def _drilldown(d) -> dict | None:
     """The drill-down as its JSON holds it, every field it relies on checked (docs/ops.md)."""
     if _typed(d, (dict, type(None)), "drilldown") is None:
         return None
-    if type(d["layer"]) is not int or d["layer"] < 0:
-        raise ValueError(f"drilldown.layer {d['layer']!r} is not a layer index")
-    _typed(d["how"], str, "drilldown.how")
-    _typed(d["fed"], str, "drilldown.fed")
-    for op in _typed(d["ops"], list, "drilldown.ops"):
+    layer = d["layer"]
+    if type(layer) is not int or layer < 0:
+        raise ValueError(f"drilldown.layer {layer!r} is not a layer index")
+    _required(d, "how", str, "drilldown.how")
+    _required(d, "fed", str, "drilldown.fed")
+    for op in _required(d, "ops", list, "drilldown.ops"):
         _point(op)
     for key in ("first", "op_before"):
         _typed(d.get(key), (str, type(None)), f"drilldown.{key}")
@@ -277,7 +317,7 @@ def _drilldown(d) -> dict | None:
     for part in ("heads", "positions"):
         shares = _typed(concentration.get(part), (dict, type(None)), f"drilldown.concentration.{part}")
         if shares is not None:
-            values = [_float(x) for x in _typed(shares["shares"], list, f"drilldown.concentration.{part}.shares")]
+            values = [_float(x) for x in _required(shares, "shares", list, f"drilldown.concentration.{part}.shares")]
             carrier = _typed(shares.get("carrier"), (int, type(None)), f"drilldown.concentration.{part}.carrier")
             if carrier is not None and not 0 <= carrier < len(values):
                 raise ValueError(f"drilldown.concentration.{part}.carrier {carrier} is not one of {len(values)}")
@@ -311,14 +351,14 @@ def merge_slices(reports: list[tuple[str, Report]]) -> Report:
     if any(r.layers is None for _, r in reports):
         whole = next(s for s, r in reports if r.layers is None)
         raise ParityError(f"{whole}: a check of the whole model overlaps every slice; merge only --layers reports")
-    counts = {r.layers["of"] for _, r in reports}
+    counts = {r.span.of for _, r in reports}
     if len(counts) > 1:
         raise ParityError(f"report merge: the slices are of models with {sorted(counts)} layers; merge one model's")
     (of,) = counts
-    ordered = sorted(reports, key=lambda sr: sr[1].layers["start"])
+    ordered = sorted(reports, key=lambda sr: sr[1].span.start)
     missing, covered = [], 0
     for (source, r), (prev, _) in zip(ordered, [(None, None)] + ordered[:-1]):
-        start, stop = r.layers["start"], r.layers["stop"]
+        start, stop, _ = r.span
         if start < covered:
             raise ParityError(f"{source}: layers {start}:{stop} overlap {prev}'s; give each layer to one slice")
         if start > covered:
@@ -334,7 +374,7 @@ def merge_slices(reports: list[tuple[str, Report]]) -> Report:
                     mode=first.mode, layerwise=first.layerwise, points=points, calibrated=first.calibrated,
                     judging=first.judging, quantization=_merged_cost([r for _, r in ordered]),
                     layers={"start": 0, "stop": of, "of": of,
-                            "slices": [[r.layers["start"], r.layers["stop"]] for _, r in ordered]})
+                            "slices": [[r.span.start, r.span.stop] for _, r in ordered]})
     last = ordered[-1][1]
     merged.logits = last.logits
     merged.warnings = list(dict.fromkeys(w for _, r in ordered for w in r.warnings))

@@ -249,7 +249,7 @@ def tiny_gguf(b: Built) -> Path:
     """The tiny llama as a GGUF file (`parity convert --to gguf`), written once beside the built inputs."""
     path = b.checkpoint.parent / "llama.gguf"
     if not path.exists():
-        from parity.ports.gguf.export import export
+        from parity.engines.gguf.export import export
 
         export(b.checkpoint, path)
     return path

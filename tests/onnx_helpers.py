@@ -10,7 +10,7 @@ from pathlib import Path
 
 def export_ours(src: str, out: str, dtype: str, kv_cache: bool = False) -> str:
     """`parity convert SRC --to onnx --debug-outputs --dtype DTYPE -o OUT [--kv-cache]`."""
-    from parity.ports.onnx.export import export
+    from parity.engines.onnx.export import export
 
     export(Path(src), Path(out), dtype=dtype, debug_outputs=True, kv_cache=kv_cache)
     return out

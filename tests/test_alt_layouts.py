@@ -41,7 +41,7 @@ def test_saved_without_the_model_prefix(family, stream, tmp_path):
     sd = {k.removeprefix("model."): v for k, v in load_file(path / "model.safetensors").items()}
     assert "embed_tokens.weight" in sd
     save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
-    data = report(open_checkpoint(path))["weights"]
+    data = report(open_checkpoint(path)).to_json()["weights"]
     assert data["accounted_for"] and data["prefix"] == ""
     _converts_and_passes(path, tmp_path, stream)
 
@@ -56,7 +56,7 @@ def test_mixed_source_dtypes(tmp_path):
         elif "self_attn" in name:
             sd[name] = sd[name].to(torch.float16)
     save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
-    dtypes = report(open_checkpoint(path))["weights"]["dtypes"]
+    dtypes = report(open_checkpoint(path)).to_json()["weights"]["dtypes"]
     assert set(dtypes) == {"BF16", "F16", "F32"}
     _converts_and_passes(path, tmp_path)
     manifest = json.loads((tmp_path / "n" / "manifest.json").read_text())
@@ -75,6 +75,6 @@ def test_shards_named_only_by_the_index(tmp_path):
         save_file({n: sd[n] for n in part}, path / shard, metadata={"format": "pt"})
         weight_map.update({n: shard for n in part})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    data = report(open_checkpoint(path))["weights"]
+    data = report(open_checkpoint(path)).to_json()["weights"]
     assert data["accounted_for"] and len(data["files"]) == 3
     _converts_and_passes(path, tmp_path)

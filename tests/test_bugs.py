@@ -84,8 +84,8 @@ def test_injection_changes_conventions_not_code(tiny_dir, tmp_path):
     convert(tiny_dir("gemma2"), tmp_path / "n")
     manifest, tensors = load(tmp_path / "n")
     m, t = bugs.inject("attn-softcap-dropped", manifest, tensors)
-    assert [l["attention"]["softcap"] for l in m["layers"]] == [None, None]
-    assert manifest["layers"][0]["attention"]["softcap"] == 0.5  # the original is untouched
+    assert [att.softcap for _, att in m.attentions()] == [None, None] and m.injected == "attn-softcap-dropped"
+    assert manifest.layers[0].attention.softcap == 0.5 and manifest.injected is None  # the original is untouched
     m, t = bugs.inject("norm-offset-dropped", manifest, tensors)
     assert (t["layers.0.attn_norm.weight"] - (tensors["layers.0.attn_norm.weight"] - 1)).abs().max() == 0
 
@@ -142,14 +142,14 @@ def test_selftest_matrix_totals():
     located at the op it declares, no false alarm on a clean conversion. About a minute on two cores."""
     rows = selftest.run()
     t = selftest.totals(rows)
-    assert t["pairs"] >= 100 and sum(r.bug == "clean" and r.check == "prefill" for r in rows) == len(EVERY)
+    assert t.pairs >= 100 and sum(r.bug == "clean" and r.check == "prefill" for r in rows) == len(EVERY)
     assert {r.family for r in rows if r.bug == "clean" and r.check != "prefill"} == set(EVERY) - {"bert"}
-    assert t["decode_pairs"] >= 40 and t["prefill_only_would_catch"] == 0
-    assert t["detected"] == t["pairs"]
-    assert t["false_alarms"] == 0
-    assert t["diagnosis_accuracy"] >= 0.9 and t["diagnosed_wrong"] == 0
+    assert t.decode_pairs >= 40 and t.prefill_only_would_catch == 0
+    assert t.detected == t.pairs
+    assert t.false_alarms == 0
+    assert t.diagnosis_accuracy >= 0.9 and t.diagnosed_wrong == 0
     # the drill-down finds every mistake that shows inside a layer where the catalog says it first shows
-    assert t["ops_declared"] >= 100 and t["op_right"] == t["ops_declared"], [
+    assert t.ops_declared >= 100 and t.op_right == t.ops_declared, [
         (r.family, r.bug, r.first_op) for r in rows if r.op_right is False]
     assert {r.bug for r in rows} == {b.id for b in bugs.CATALOG} | {"clean"}
     low = [r for r in rows if r.bug == "norm-in-low-precision"]

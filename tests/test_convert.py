@@ -20,6 +20,7 @@ from parity.cli import cli
 from parity.errors import ParityError
 from parity.neutral.converter import convert
 from parity.neutral.manifest import load, read_manifest
+from parity.neutral.model import Manifest
 from parity.storage.shards import HASH, hash_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,18 +53,17 @@ def _leftovers(parent: Path, name: str) -> list[Path]:
 def test_manifest_states_conventions_and_hashes(tiny_dir, tmp_path):
     src = tiny_dir("gemma2")
     manifest = convert(src, tmp_path / "out")
-    assert manifest["source"]["family"] == "gemma2"
-    assert manifest["source"]["files"]["model.safetensors"] == hash_file(src / "model.safetensors")
-    for name, info in manifest["files"].items():
-        assert hash_file(tmp_path / "out" / name) == info[HASH]
-    layer0, layer1 = manifest["layers"][:2]
-    assert layer0["attention"]["sliding_window"] == 8 and layer1["attention"]["sliding_window"] is None
-    assert layer0["attention"]["softcap"] == 0.5 and manifest["head"]["softcap"] == 0.1
-    assert layer0["attention"]["scale"] == pytest.approx(24 ** -0.5)
-    assert manifest["embedding"]["scale"] == pytest.approx(8.0)
-    assert set(k for k, v in layer0["norms"].items() if v) == {"attn_norm", "attn_post_norm", "mlp_norm",
-                                                                  "mlp_post_norm"}
-    assert layer0["norms"]["attn_norm"]["folded_offset"] is True
+    assert manifest.source.family == "gemma2"
+    assert manifest.source.files["model.safetensors"] == hash_file(src / "model.safetensors")
+    for name, info in manifest.files.items():
+        assert info.hash == (HASH, hash_file(tmp_path / "out" / name))
+    layer0, layer1 = manifest.layers[:2]
+    assert layer0.attention.sliding_window == 8 and layer1.attention.sliding_window is None
+    assert layer0.attention.softcap == 0.5 and manifest.head.softcap == 0.1
+    assert layer0.attention.scale == pytest.approx(24 ** -0.5)
+    assert manifest.embedding.scale == pytest.approx(8.0)
+    assert set(k for k, v in layer0.norms if v) == {"attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm"}
+    assert layer0.norms.attn_norm.folded_offset is True
 
 
 def test_one_plus_w_is_folded_in_float32(tiny_dir, tmp_path):
@@ -90,11 +90,11 @@ def test_conv1d_is_transposed_and_c_attn_split(tiny_dir, tmp_path):
 
 def test_sharded_output_has_an_index_and_loads(tiny_dir, tmp_path):
     manifest = convert(tiny_dir("llama"), tmp_path / "out", max_shard_bytes=64 * 1024)
-    assert len(manifest["files"]) > 2
+    assert len(manifest.files) > 2
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(manifest["tensors"])
+    assert set(index["weight_map"]) == set(manifest.tensors)
     _, tensors = load(tmp_path / "out", verify=True)
-    assert set(tensors) == set(manifest["tensors"])
+    assert set(tensors) == set(manifest.tensors)
 
 
 def _tamper(path: Path) -> None:
@@ -135,14 +135,15 @@ def _parts_digest(path: Path) -> str:
 def test_a_new_manifest_records_the_hash_of_parts_and_verifies(tiny_dir, tmp_path):
     src = tiny_dir("gemma3")  # its norms fold (1 + w): some tensors are written as read, some converted
     manifest = convert(src, tmp_path / "out", max_shard_bytes=64 * 1024)
-    assert manifest["source"]["hash"] == HASH == "blake3_tensors" and len(manifest["files"]) > 1
-    assert manifest["source"]["files"] == {"model.safetensors": _parts_digest(src / "model.safetensors")}
+    assert manifest.source.hash == HASH == "blake3_tensors" and len(manifest.files) > 1
+    assert manifest.source.files == {"model.safetensors": _parts_digest(src / "model.safetensors")}
     assert _parts_digest(src / "model.safetensors") == hash_file(src / "model.safetensors")
-    for name, info in manifest["files"].items():
-        assert info == {HASH: _parts_digest(tmp_path / "out" / name), "bytes": (tmp_path / "out" / name).stat().st_size}
+    for name, info in manifest.files.items():
+        assert info.model_dump(exclude_none=True) == {HASH: _parts_digest(tmp_path / "out" / name),
+                                                      "bytes": (tmp_path / "out" / name).stat().st_size}
     assert read_manifest(tmp_path / "out") == manifest
     load(tmp_path / "out", verify=True)
-    _tamper(tmp_path / "out" / sorted(manifest["files"])[-1])
+    _tamper(tmp_path / "out" / sorted(manifest.files)[-1])
     with pytest.raises(ParityError, match=f"its {HASH} differs from the manifest's; the file changed after conversion"):
         load(tmp_path / "out", verify=True)
 
@@ -152,7 +153,7 @@ def test_an_older_manifest_still_reads_and_verifies(algorithm, tiny_dir, tmp_pat
     src = tiny_dir("llama")
     convert(src, tmp_path / "out", max_shard_bytes=64 * 1024)
     old = _as_written_before(tmp_path / "out", src, algorithm)
-    assert read_manifest(tmp_path / "out") == old
+    assert read_manifest(tmp_path / "out") == Manifest.model_validate(old)
     _, tensors = load(tmp_path / "out", verify=True)
     assert set(tensors) == set(old["tensors"])
     assert run("run", tmp_path / "out", "--ids", "1,2,3").exit_code == 0

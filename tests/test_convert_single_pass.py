@@ -25,6 +25,7 @@ from parity.neutral import manifest as manifest_module
 from parity.neutral.converter import build_manifest, convert, restyle_rope, to_neutral
 from parity.neutral.executor.model import NeutralModel
 from parity.neutral.manifest import DTYPES, load
+from parity.neutral.model import Manifest
 from parity.storage import shards
 from parity.storage.shards import DTYPE_NAMES, HASH, hash_file, read_header
 
@@ -67,7 +68,7 @@ def resharded(src: Path, out: Path, extra: dict[str, torch.Tensor] | None = None
     return out, [n for k in range(SHARDS) for n in names[k::SHARDS]]
 
 
-def reference(src: Path, dtype: str | None = None, rope_style: str | None = None) -> tuple[dict, dict]:
+def reference(src: Path, dtype: str | None = None, rope_style: str | None = None) -> tuple[Manifest, dict]:
     """The conversion done the plain way: the manifest with the source hashed by hash_file, and every tensor
     loaded whole (safetensors' own reader) and converted in the adapter's order."""
     ckpt = open_checkpoint(src)
@@ -81,22 +82,22 @@ def reference(src: Path, dtype: str | None = None, rope_style: str | None = None
     for hf_name, t in r.tensor_map(prefix).items():
         for name, y in to_neutral(t, hf[hf_name]):
             if name.startswith("layers."):
-                y = restyle_rope(name, y, manifest["layers"][int(name.split(".")[1])], source_style, style)
-            tensors[name] = y.to(getattr(torch, manifest["tensors"][name]["dtype"]))
+                y = restyle_rope(name, y, manifest.layer_of(name), source_style, style)
+            tensors[name] = y.to(getattr(torch, manifest.tensors[name].dtype))
     return manifest, tensors
 
 
-def _without_places(manifest: dict) -> dict:
-    """The manifest less what says where tensors landed (which files, and what those files hold)."""
-    out = {k: v for k, v in manifest.items() if k != "files"}
-    out["tensors"] = {n: {k: v for k, v in info.items() if k != "file"} for n, info in manifest["tensors"].items()}
+def _without_places(manifest: Manifest) -> dict:
+    """The manifest's JSON less what says where tensors landed (which files, and what those files hold)."""
+    out = {k: v for k, v in manifest.to_json().items() if k != "files"}
+    out["tensors"] = {n: {k: v for k, v in info.items() if k != "file"} for n, info in out["tensors"].items()}
     return out
 
 
-def _output_order(out: Path, manifest: dict) -> list[str]:
+def _output_order(out: Path, manifest: Manifest) -> list[str]:
     """The neutral tensors in the order their bytes lie in the output, file after file."""
     order = []
-    for file in sorted(manifest["files"]):
+    for file in sorted(manifest.files):
         header = read_header(out / file)
         order += sorted(header.tensors, key=lambda n: header.tensors[n].begin)
     return order
@@ -123,11 +124,11 @@ def test_a_sharded_source_converts_as_the_plain_way_does(family, options, tiny_d
 
     expected_manifest, expected = reference(src, **options)
     assert _without_places(manifest) == _without_places(expected_manifest)  # source hashes included
-    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == manifest
-    assert len(manifest["files"]) > 1
-    for file, info in manifest["files"].items():
-        assert info == {HASH: hash_file(tmp_path / "out" / file),
-                        "bytes": (tmp_path / "out" / file).stat().st_size}
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == manifest.to_json()
+    assert len(manifest.files) > 1
+    for file, info in manifest.files.items():
+        assert (info.hash, info.bytes) == ((HASH, hash_file(tmp_path / "out" / file)),
+                                           (tmp_path / "out" / file).stat().st_size)
     _, tensors = load(tmp_path / "out", verify=True)
     assert tensors.keys() == expected.keys()
     for name, x in expected.items():
@@ -186,7 +187,7 @@ def test_each_source_byte_is_read_once(tiny_dir, tmp_path, monkeypatch):
                 monkeypatch.setattr(module, name, no_second_pass)
     manifest = convert(src, tmp_path / "out")
     assert reads == {f.name: f.stat().st_size for f in src.glob("*.safetensors")}
-    assert manifest["source"]["files"] == {f.name: hash_file(f) for f in sorted(src.glob("*.safetensors"))}
+    assert manifest.source.files == {f.name: hash_file(f) for f in sorted(src.glob("*.safetensors"))}
 
 
 def test_a_tensor_written_as_read_is_hashed_once_for_both_files(tiny_dir, tmp_path, monkeypatch):
@@ -203,16 +204,16 @@ def test_a_tensor_written_as_read_is_hashed_once_for_both_files(tiny_dir, tmp_pa
     src, _ = resharded(tiny_dir("llama"), tmp_path / "src")
     manifest = convert(src, tmp_path / "out")
     assert hashed["bytes"] == sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    for file, info in manifest["files"].items():
-        assert info[HASH] == hash_file(tmp_path / "out" / file)
+    for file, info in manifest.files.items():
+        assert info.hash == (HASH, hash_file(tmp_path / "out" / file))
 
     hashed.clear()
     src = tiny_dir("gemma3")
     manifest = convert(src, tmp_path / "gemma3", dtype="float32")
-    folded = sum(t["shape"][0] * 4 for n, t in manifest["tensors"].items() if "norm" in n)
+    folded = sum(t.shape[0] * 4 for n, t in manifest.tensors.items() if "norm" in n)
     assert folded and hashed["bytes"] == (src / "model.safetensors").stat().st_size + folded
-    for file, info in manifest["files"].items():
-        assert info[HASH] == hash_file(tmp_path / "gemma3" / file)
+    for file, info in manifest.files.items():
+        assert info.hash == (HASH, hash_file(tmp_path / "gemma3" / file))
 
 
 def test_pieces_smaller_than_a_tensor_give_the_same_bytes(tiny_dir, tmp_path, monkeypatch):
@@ -222,7 +223,7 @@ def test_pieces_smaller_than_a_tensor_give_the_same_bytes(tiny_dir, tmp_path, mo
     convert(src, tmp_path / "whole")
     monkeypatch.setattr(neutral, "READ_CHUNK", 1000)
     manifest = convert(src, tmp_path / "pieces")
-    assert manifest["source"]["files"] == {f.name: hash_file(f) for f in sorted(src.glob("*.safetensors"))}
+    assert manifest.source.files == {f.name: hash_file(f) for f in sorted(src.glob("*.safetensors"))}
     whole = sorted(p.name for p in (tmp_path / "whole").iterdir())
     assert whole == sorted(p.name for p in (tmp_path / "pieces").iterdir())
     for name in whole:

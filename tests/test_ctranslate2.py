@@ -199,7 +199,7 @@ def test_int8_weights_are_read_back(made, tmp_path):
     """An int8 model.bin (CTranslate2's converter, quantization=int8): computed in float32 (compute_type), it is
     the same-weights reference to float32 rounding, which proves the read-back; computed in int8, what is left
     is CTranslate2's int8 activations, and --calibrate measures the weights' share."""
-    from parity.candidates.ctranslate2 import convert
+    from parity.engines.ctranslate2.kind import convert
 
     reference = made("llama")
     int8 = convert(reference, "int8")

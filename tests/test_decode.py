@@ -79,14 +79,14 @@ def test_the_executor_cache_equals_its_uncached_forward_at_every_position(neutra
         assert ((got - full).norm() / full.norm()).item() < 1e-5, family
         assert cache.length == 20
         # a sliding-window slot is a ring of window - 1 keys between calls; global slots keep all 20
-        for i, layer in enumerate(manifest["layers"]):
-            window = layer["attention"]["sliding_window"]
+        for i, att in manifest.attentions():
+            window = att.sliding_window
             if i in cache.slots:
                 assert cache.slots[i][0].shape[2] == (window - 1 if window else 20), (family, i)
         # keeping every key and letting the mask window them (an exported graph's cache) attends to the same
         from parity.neutral.executor.cache import KVCache
 
-        everything = KVCache(manifest["num_layers"], evict=False)
+        everything = KVCache(manifest.num_layers, evict=False)
         kept = [model(ids[:, :3], cache=everything)] + [model(ids[:, k:k + 1], cache=everything) for k in range(3, 20)]
         kept = torch.cat(kept, dim=1)  # the same up to summation order (masked keys add exact zeros)
         assert ((kept - got).norm() / got.norm()).item() < 1e-6

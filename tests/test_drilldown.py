@@ -164,7 +164,7 @@ def _gguf(checkpoint: Path, out: Path) -> Path:
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_located_on_a_gguf_candidate(mistake, llama, tmp_path):
     """llama.cpp runs its graph whole: the drilled layer runs from each side's own input (the layers before it
-    agreed), its ops read from the graph's tensors (parity.ports.gguf.ops)."""
+    agreed), its ops read from the graph's tensors (parity.engines.gguf.ops)."""
     edit, op, head = MISTAKES[mistake]
     candidate = _gguf(_edited(llama, tmp_path / "candidate", edit), tmp_path / "candidate.gguf")
     result, report = _check(llama, candidate, tmp_path / "r.json")

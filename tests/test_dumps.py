@@ -39,7 +39,7 @@ def llama(tiny_dir, tmp_path_factory):
     convert(tiny_dir("llama"), neutral)
     golden = record(tiny_dir("llama"), root / "golden", points="all", calibrate=True)
     return {"reference": tiny_dir("llama"), "neutral": neutral, "golden": root / "golden",
-            "ids": golden.runs[0]["ids"]}
+            "ids": golden.runs[0].ids}
 
 
 def check(*args: str):

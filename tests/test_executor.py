@@ -82,10 +82,10 @@ ROPE_FAMILIES = [f for f in FAMILIES if f not in ("bert", "gpt2")]
 
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
 def test_rope_style_round_trip_still_matches(family, tiny_dir, neutral_dir):
-    source = load(neutral_dir(family))[0]["rope_style"]
+    source = load(neutral_dir(family))[0].rope_style
     other = "half" if source == "interleaved" else "interleaved"
     manifest, _ = load(neutral_dir(family, rope_style=other))
-    assert manifest["rope_style"] == other and manifest["layers"][0]["attention"]["rope"]["style"] == other
+    assert manifest.rope_style == other and manifest.layers[0].attention.rope.style == other
     reference = reference_points(tiny_dir(family))
     candidate = candidate_points(neutral_dir(family, rope_style=other))
     worst = max((rel_l2(candidate[n], reference[n]), n) for n in reference)

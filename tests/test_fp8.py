@@ -47,7 +47,7 @@ def test_dequantize_is_the_blockwise_product_with_partial_blocks():
 
 def test_inspect_reports_the_quantization_and_accounts_for_every_scale(deepseek_fp8):
     path, _, exact = deepseek_fp8
-    data = report(open_checkpoint(path))
+    data = report(open_checkpoint(path)).to_json()
     w = data["weights"]
     assert w["accounted_for"], w
     assert w["scales"] == len(exact) == 72 and w["dtypes"]["F8_E4M3"] == 72
@@ -65,7 +65,7 @@ def test_a_scale_grid_that_does_not_fit_the_block_is_refused(deepseek_fp8, tmp_p
     config = json.loads((bad / "config.json").read_text())
     config["quantization_config"]["weight_block_size"] = [16, 8]  # transposed
     (bad / "config.json").write_text(json.dumps(config))
-    w = report(open_checkpoint(bad))["weights"]
+    w = report(open_checkpoint(bad)).to_json()["weights"]
     assert not w["accounted_for"] and any("weight_scale_inv" in x and "16x8 blocks" in x for x in w["wrong_shape"])
     result = CliRunner().invoke(cli, ["convert", str(bad), "--to", "neutral", "-o", str(tmp_path / "n")])
     assert result.exit_code == 2 and "wrong shape" in result.stderr and not (tmp_path / "n").exists()
@@ -151,7 +151,7 @@ def test_qwen3_fp8_converts_and_passes(tmp_path):
     source = make_tiny(ADAPTERS["qwen3"], tmp_path / "source")
     exact = quantize(source, tmp_path / "fp8", (16, 16))
     assert exact
-    assert report(open_checkpoint(tmp_path / "fp8"))["weights"]["accounted_for"]
+    assert report(open_checkpoint(tmp_path / "fp8")).to_json()["weights"]["accounted_for"]
     assert _cli("convert", tmp_path / "fp8", "--to", "neutral", "-o", tmp_path / "n").exit_code == 0
     result = _cli("check", "--reference", tmp_path / "fp8", "--candidate", tmp_path / "n", "--layerwise")
     assert result.exit_code == 0, result.output

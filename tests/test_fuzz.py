@@ -32,8 +32,8 @@ from safetensors.torch import load_file, save_file
 
 from parity import dumps, render
 from parity.candidates import Candidate
-from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import inside, inventory, open_checkpoint
+from parity.engines.onnx import kind as onnx_candidate
 from parity.errors import ParityError
 from parity.neutral.manifest import load
 from parity.reference.golden import open_golden
@@ -55,7 +55,7 @@ def fuzz(examples: int):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The real files every corpus starts from, built once."""
-    from parity.ports.onnx.export import export
+    from parity.engines.onnx.export import export
 
     root = tmp_path_factory.mktemp("fuzz")
     built = build(root)

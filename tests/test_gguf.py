@@ -18,7 +18,7 @@ pytest.importorskip("llama_cpp")
 GGUF_FAMILIES = sorted(f for f, a in ADAPTERS.items() if a.spec.gguf is not None)
 # the capture points llama.cpp's graph does not hold, per architecture: OLMo 2 has no pre-norms, whose outputs
 # these would be. Attention's output, named by llama's model code only, is read elsewhere as the tensor computed
-# from blk.N.attn_output.weight (parity.candidates.gguf.CONSUMERS); the input embeddings are "embd", Gemma's
+# from blk.N.attn_output.weight (parity.engines.gguf.kind.CONSUMERS); the input embeddings are "embd", Gemma's
 # scaled ones "inp_scaled"; gemma2's MLP output is named without a layer index ("ffn_post_norm") and read as the
 # layer of the tensor before it
 NOT_NAMED = {"llama": set(), "qwen2": set(), "qwen3": set(), "gemma": set(), "gemma2": set(), "gemma3": set(),
@@ -334,7 +334,7 @@ def test_a_vocabulary_that_splits_the_prompt_otherwise_is_reported(tmp_path, tin
     """The GGUF carries the checkpoint's byte-level BPE vocabulary; llama.cpp re-tokenizes the prompt's text with
     it. The same vocabulary gives the same ids (no warning); one with 'h' and 'e' swapped is reported (the check
     still feeds the reference's ids, so the verdict stands)."""
-    from parity.ports.gguf import export as gguf_export
+    from parity.engines.gguf import export as gguf_export
 
     reference = tiny_dir("llama")
     good = tmp_path / "good.gguf"
@@ -365,7 +365,7 @@ def test_a_file_that_adds_its_bos_otherwise_is_named(tmp_path, tiny_dir, monkeyp
     BOS: the check names bos-dropped in a warning (it fed the reference's ids, so the verdict stands)."""
     import shutil
 
-    from parity.ports.gguf import export as gguf_export
+    from parity.engines.gguf import export as gguf_export
 
     reference = tmp_path / "reference"
     shutil.copytree(tiny_dir("llama"), reference)

@@ -1,4 +1,4 @@
-"""llama.cpp's CPU arithmetic, emulated on the same-weights reference (parity/reference/arithmetic/ggml.py): exact at one matmul, closer
+"""llama.cpp's CPU arithmetic, emulated on the same-weights reference (parity/engines/gguf/arithmetic.py): exact at one matmul, closer
 to llama.cpp than the plain same-weights reference over a whole model, and no cover for a broken twin.
 
 Measured on this machine (x86, AVX-512; llama-cpp-python's ggml-cpu), the 64-token default prompt:
@@ -18,7 +18,7 @@ Measured on this machine (x86, AVX-512; llama-cpp-python's ggml-cpu), the 64-tok
   the emulating reference (F16's worst about 7x, the integer types' 20x to 1e5x);
 - a tie is exact: torch's ``127.0 / t`` is ``127 * (1 / t)``, an ulp off C's division for a quarter of values,
   which put OLMo 2's layer-0 inputs (embeddings read from a Q4_0 table: lattice values, Q8_0 ties at 63.5) on
-  the wrong side, 2.7e-3 off; parity.reference.arithmetic.ggml divides as C does (3e-8).
+  the wrong side, 2.7e-3 off; parity.engines.gguf.arithmetic divides as C does (3e-8).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from tests.test_gguf_quantize import WIDE
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
 
-from parity.candidates.gguf import GGUFRun, _read
 from parity.compare import ENGINE_MULTIPLE, NOISE_FLOOR
-from parity.ports.gguf.weights import BANDS, REQUANTIZABLE
-from parity.reference.arithmetic.ggml import ACTIVATIONS, block_mins, round_activations
+from parity.engines.gguf.arithmetic import ACTIVATIONS, block_mins, round_activations
+from parity.engines.gguf.kind import GGUFRun, _read
+from parity.engines.gguf.weights import BANDS, REQUANTIZABLE
 
 IDS = [(37 * k + 11) % 256 for k in range(16)]  # tokens for the one-op runs (every tiny vocabulary has 256)
 
@@ -197,7 +197,7 @@ CASCADES = {  # measured on x86/AVX-512 with the 64-token default prompt; a diff
                         "2.6e-4 -> 1.4e-3 and layer 1 on; logits: rel_l2 9.36e-3 against plain 3.16e-2 (3.38x)",
 }
 # The emulation rounds the inputs of the checkpoint's own projections; transformers runs a MoE layer's experts as
-# one fused module, so their inputs go unrounded (parity.ports.gguf.weights: matmuls_not_emulated) and the experts'
+# one fused module, so their inputs go unrounded (parity.engines.gguf.weights: matmuls_not_emulated) and the experts'
 # rounding stays in the comparison: measured on the tiny qwen2_moe in F16, isolated, layers.1.mlp_out rel_l2 5.3e-2
 # against both references (a routing flip), 166x the noise. The MoE families are left out until experts are emulated.
 # --same-weights refuses a file whose tensors fuse several of the checkpoint's (phi3's attn_qkv, ffn_up): not read

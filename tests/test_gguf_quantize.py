@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from parity.cli import cli
+from parity.engines.gguf import file as gguf_file
+from parity.engines.gguf import quantize as gguf_quantize
+from parity.engines.gguf.export import TYPES, export
 from parity.errors import ParityError
-from parity.ports.gguf import file as gguf_file
-from parity.ports.gguf import quantize as gguf_quantize
-from parity.ports.gguf.export import TYPES, export
 from tests.conftest import ADAPTERS
 
 pytest.importorskip("gguf")

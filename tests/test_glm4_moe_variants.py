@@ -111,7 +111,7 @@ def test_each_router_convention_bites_on_the_tiny_checkpoint(mistake, tiny_dir, 
     r = open_checkpoint(tiny_dir("glm4_moe")).resolved
     x = run_and_capture(model, r.capture, input_ids=PROMPT)["layers.1.mlp_in"][0]
     manifest, tensors = load(neutral_dir("glm4_moe"))
-    spec = manifest["layers"][1]["mlp"]["moe"]
+    spec = manifest.layers[1].mlp.moe
     w = {k.removeprefix("layers.1."): v for k, v in tensors.items() if k.startswith("layers.1.")}
     with torch.no_grad():
         ref = model.model.layers[1].mlp(x[None])[0]
@@ -119,8 +119,8 @@ def test_each_router_convention_bites_on_the_tiny_checkpoint(mistake, tiny_dir, 
         if mistake == "score_bias":
             broken = moe(x, x, {k: v for k, v in w.items() if k != "moe.router.score_bias"}, spec)
         else:
-            broken = moe(x, x, w, {**spec, mistake: {"groups": 1, "scale": 1.0, "renormalise": False,
-                                                    "shared_experts": None}[mistake]})
+            broken = moe(x, x, w, spec.model_copy(update={mistake: {"groups": 1, "scale": 1.0, "renormalise": False,
+                                                                    "shared_experts": None}[mistake]}))
     assert _rel(broken, ref) > 1e-3, mistake
 
 

@@ -64,7 +64,7 @@ def _first_layer1_norm(neutral: Path) -> str:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_golden_dump_check(family, built, tmp_path):
     b = built(family)
-    ids = open_golden(b["golden"]).runs[0]["ids"]
+    ids = open_golden(b["golden"]).runs[0].ids
     good = executor_dump(b["neutral"], ids, tmp_path / "good.safetensors")
     report = parity.check(b["golden"], good, layerwise=True, calibrate=True)
     assert report.verdict == "pass", report.first_divergence
@@ -168,7 +168,7 @@ def test_record_cli_writes_the_description_and_prints_the_size(built, tmp_path):
 def test_check_cli_against_a_golden(built, tmp_path):
     b = built("gemma2")
     golden, neutral = b["golden"], b["neutral"]
-    ids = open_golden(golden).runs[0]["ids"]
+    ids = open_golden(golden).runs[0].ids
     ok = invoke("check", "--reference", golden, "--candidate", neutral, "--layerwise", "--checkpoint", b["reference"])
     assert ok.exit_code == 0, ok.output
     broken = edited(neutral, tmp_path / "bad",
@@ -223,7 +223,7 @@ def test_verify_reports_drift_point_by_point(built, tmp_path):
     file = golden.path / "activations.safetensors"
     tensors = load_file(file)
     tensors["layers.1.out"][0, -1] *= 1.01
-    save_file(tensors, file, metadata={"input_ids": json.dumps(golden.runs[0]["ids"])})
+    save_file(tensors, file, metadata={"input_ids": json.dumps(golden.runs[0].ids)})
     drift = invoke("golden", "verify", golden.path, "--reference", b["reference"], "--report", tmp_path / "d.json")
     assert drift.exit_code == 1 and "drift at layers.1.out" in drift.output, drift.output
     points = {p["name"]: p["passed"] for p in json.loads((tmp_path / "d.json").read_text())["points"]}
@@ -239,7 +239,7 @@ def test_inputs_cli_for_a_checkpoint_and_a_golden(built, tmp_path):
         out = tmp_path / f"{source.name}.json"
         result = invoke("inputs", source, "-o", out)
         assert result.exit_code == 0 and "1 input(s) of 64 tokens" in result.output, result.output
-        assert json.loads(out.read_text()) == [open_golden(b["golden"]).runs[0]["ids"]]
+        assert json.loads(out.read_text()) == [open_golden(b["golden"]).runs[0].ids]
     both = tmp_path / "two.json"
     two = tmp_path / "prompts.json"
     two.write_text(json.dumps(["hello world", [5, 6, 7]]))
@@ -247,7 +247,7 @@ def test_inputs_cli_for_a_checkpoint_and_a_golden(built, tmp_path):
     assert json.loads(both.read_text()) == [list(b"hello world"), [5, 6, 7]]
     # a golden of two inputs replays both; a dump is one run, so it matches only a one-input golden
     golden = record(b["reference"], tmp_path / "two", prompts=Prompts(inputs_file=two))
-    assert [r["file"] for r in golden.runs] == ["activations.safetensors", "activations.1.safetensors"]
+    assert [r.file for r in golden.runs] == ["activations.safetensors", "activations.1.safetensors"]
     assert parity.check(golden.path, b["neutral"], layerwise=True).verdict == "pass"
     assert parity.check(golden.path, b["neutral"], inputs_file=both).verdict == "pass"
 
@@ -261,20 +261,21 @@ def test_installed_transformers_reproduces_the_committed_golden(family, tiny_dir
     path = COMMITTED / family
     assert (path / "golden.json").is_file(), f"golden/{family} is missing; record it as golden/README.md says"
     golden = open_golden(path)
-    then = golden.description["recorded_with"]
+    then = golden.description.recorded_with
     try:
         golden.match(tiny_dir(family))
     except ParityError as exc:
         pytest.fail(f"`parity make-tiny {family}` no longer builds the checkpoint golden/{family} was recorded from, "
                     f"so the golden cannot be verified (torch {torch.__version__}, transformers "
-                    f"{transformers.__version__} here; recorded with torch {then['torch']}, transformers "
-                    f"{then['transformers']}): {exc}")
+                    f"{transformers.__version__} here; recorded with torch {then.torch}, transformers "
+                    f"{then.transformers}): {exc}")
     report = verify(path, tiny_dir(family))
     first = report.first_divergence
     assert report, (f"golden/{family}: transformers {transformers.__version__} (torch {torch.__version__}) no longer "
-                    f"reproduces it (recorded with transformers {then['transformers']}, torch {then['torch']}): "
+                    f"reproduces it (recorded with transformers {then.transformers}, torch {then.torch}): "
                     f"drift at {first.name}, rel_l2 {first.rel_l2:.3g} > {first.tolerance.rel_l2:.3g}")
-    assert golden.description["storage"] == "float16" and golden.description["points"] == "layers"
+    assert json.loads((path / "golden.json").read_text())["points"] == "layers"
+    assert golden.description.storage == "float16"
 
 
 def test_committed_goldens_are_small():

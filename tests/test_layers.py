@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXECUTOR_USERS = {
     "parity.candidates.neutral": "a neutral directory as a candidate is run by the executor",
     "parity.diagnosis.diagnose": "each catalogued mistake is replayed in the executor to find the one that explains a failure",
-    "parity.ports.onnx.export": "`convert --to onnx` traces the executor into the graph (and its KV cache with it)",
+    "parity.engines.onnx.export": "`convert --to onnx` traces the executor into the graph (and its KV cache with it)",
     "parity.cli": "`parity run` runs a neutral directory with the executor",
 }
 
@@ -96,7 +96,8 @@ def test_parity_has_no_import_cycles():
     assert cycle is None, f"import cycle {' -> '.join(cycle)}"
     joiners = {m for m, ts in graph.items() if "parity.candidates" in ts}
     assert joiners and joiners <= _below(graph, "parity.cli"), joiners
-    for kind in ["parity.reference.golden", *(m for m in graph if m.startswith("parity.candidates."))]:
+    kinds = [m for m in graph if m.startswith(("parity.candidates.", "parity.engines."))]  # and the engines they run
+    for kind in ["parity.reference.golden", *kinds]:
         assert not _below(graph, kind) & joiners, f"{kind} imports {sorted(_below(graph, kind) & joiners)}"
 
 
@@ -161,19 +162,27 @@ def test_the_check_sits_above_everything_but_the_entry_points():
 
 @cache
 def floors() -> dict[str, int]:
-    """docs/design.md's table of floors: package or module prefix -> floor number."""
+    """docs/design.md's table of floors: package or module prefix -> floor number. A ``*`` stands for any one name
+    (``parity.engines.*.kind``: every engine's kind, whichever folder holds it)."""
     text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
     found = {}
     for number, cells in re.findall(r"^\| (\d+) [^|]+\| ([^|]+) \|$", text, re.M):
-        for name in re.findall(r"`([\w.]+)`", cells):
+        for name in re.findall(r"`([\w.*]+)`", cells):
             found[name] = int(number)
     assert found, "docs/design.md has no table of floors"
     return found
 
 
+def _matches(prefix: str, module: str) -> bool:
+    """Whether ``module`` is ``prefix`` or inside it, a ``*`` of the prefix matching any one name."""
+    parts, names = prefix.split("."), module.split(".")
+    return len(names) >= len(parts) and all(p in ("*", n) for p, n in zip(parts, names))
+
+
 def floor_of(module: str) -> int:
+    """The floor of the longest prefix ``module`` matches (in names; of two as long, the one without a ``*``)."""
     table = floors()
-    best = max((p for p in table if module == p or module.startswith(p + ".")), key=len, default=None)
+    best = max((p for p in table if _matches(p, module)), key=lambda p: (p.count("."), "*" not in p), default=None)
     assert best is not None, f"{module} is on no floor of docs/design.md's table: add its folder there"
     return table[best]
 
@@ -219,11 +228,11 @@ ENGINE_WORDS = re.compile(r"gguf|ggml|llama\.?cpp|onnx|\bort\b|openvino|mlx|ctra
 
 def test_the_check_names_no_engine():
     """The check knows candidates only through their protocol: it imports no kind's module (nor any engine format)
-    and names no engine, in its code, messages or comments; a new engine is one module in parity/candidates."""
+    and names no engine, in its code, messages or comments; a new engine is one folder in parity/engines."""
     graph = package_imports()
     for m, ts in graph.items():
         if m.startswith("parity.checker"):
-            kinds = {t for t in ts if t.startswith(("parity.candidates.", "parity.ports", "parity.reference.arithmetic"))}
+            kinds = {t for t in ts if t.startswith(("parity.candidates.", "parity.engines"))}
             assert not kinds, f"{m} imports {sorted(kinds)}"
     named = [f"{f.relative_to(ROOT)}:{n}: {line.strip()}" for f in sorted((ROOT / "parity" / "checker").rglob("*.py"))
              for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if ENGINE_WORDS.search(line)]

@@ -311,7 +311,7 @@ def test_a_quantizing_option_is_read_back_by_same_weights_and_calibrate(tmp_path
 
 
 def test_a_conversion_is_made_once(tmp_path, released):
-    from parity.ports.engines import cache_root
+    from parity.engines.common import cache_root
 
     _check(released("llama"), released("llama"), tmp_path / "a.json")
     made = sorted((cache_root() / "mlx").iterdir())

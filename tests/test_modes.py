@@ -29,10 +29,10 @@ from parity.cli import cli
 from parity.compare import Tolerance
 from parity.diagnosis import bugs
 from parity.dumps import write_dump
+from parity.engines.onnx.export import export
 from parity.neutral.converter import convert
 from parity.neutral.executor.model import NeutralModel
 from parity.neutral.manifest import load
-from parity.ports.onnx.export import export
 from parity.report import PointResult, Report
 from parity.rope import half_permutation
 from parity.testing import assert_parity

@@ -220,24 +220,25 @@ def test_the_moe_block_matches_transformers_bit_for_bit_in_bfloat16(family, tiny
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir(family), dtype=torch.bfloat16).eval()
     manifest, tensors = load(neutral_dir(family))
     torch.manual_seed(0)
-    x = torch.randn(256, manifest["hidden_size"]).to(torch.bfloat16)
-    for i, layer in enumerate(manifest["layers"]):
-        spec = layer["mlp"]["moe"]
+    x = torch.randn(256, manifest.hidden_size).to(torch.bfloat16)
+    for i, layer in enumerate(manifest.layers):
+        spec = layer.mlp.moe
         if spec is None:
             continue
         w = {}
         for name, v in tensors.items():
             k = name.removeprefix(f"layers.{i}.")
             if k != name:
-                w[k] = v if spec["router_dtype"] == "float32" and k.startswith("moe.router.") else v.to(torch.bfloat16)
+                w[k] = v if spec.router_dtype == "float32" and k.startswith("moe.router.") else v.to(torch.bfloat16)
         with torch.no_grad():
             ref = model.model.layers[i].mlp(x[None])[0]
             ours = moe(x, x, w, spec)
-            other = moe(x, x, w, {**spec, "weights_dtype": "float32" if spec["weights_dtype"] == "model" else "model"})
+            other = moe(x, x, w, spec.model_copy(
+                update={"weights_dtype": "float32" if spec.weights_dtype == "model" else "model"}))
         assert ours.dtype == torch.bfloat16
         assert torch.equal(ours, ref) or rel_l2(ours, ref) < 1e-4, (i, rel_l2(ours, ref))
         assert not torch.equal(other, ref)
-        assert route(x, w, spec)[1].unique().numel() == spec["experts"]  # every expert is chosen by some token
+        assert route(x, w, spec)[1].unique().numel() == spec.experts  # every expert is chosen by some token
 
 
 def test_the_gpt_oss_moe_block_matches_transformers_in_bfloat16(tiny_dir, neutral_dir):
@@ -246,9 +247,9 @@ def test_the_gpt_oss_moe_block_matches_transformers_in_bfloat16(tiny_dir, neutra
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir("gpt_oss"), dtype=torch.bfloat16).eval()
     manifest, tensors = load(neutral_dir("gpt_oss"))
     torch.manual_seed(0)
-    x = torch.randn(256, manifest["hidden_size"]).to(torch.bfloat16)
-    for i, layer in enumerate(manifest["layers"]):
-        spec = layer["mlp"]["moe"]
+    x = torch.randn(256, manifest.hidden_size).to(torch.bfloat16)
+    for i, layer in enumerate(manifest.layers):
+        spec = layer.mlp.moe
         w = {k.removeprefix(f"layers.{i}."): v.to(torch.bfloat16) for k, v in tensors.items()
              if k.startswith(f"layers.{i}.")}
         with torch.no_grad():
@@ -260,7 +261,7 @@ def test_the_gpt_oss_moe_block_matches_transformers_in_bfloat16(tiny_dir, neutra
         assert ours.dtype == torch.bfloat16 and rel_l2(ours, ref) < 1e-4, (i, rel_l2(ours, ref))
         for broken in ({"glu_limit": None}, {"glu_up_offset": 0.0}, {"routing": "softmax"}):
             with torch.no_grad():
-                assert rel_l2(moe(x, x, w, {**spec, **broken}), ref) > 1e-2, broken
+                assert rel_l2(moe(x, x, w, spec.model_copy(update=broken)), ref) > 1e-2, broken
 
 
 def test_the_llama4_moe_block_matches_transformers_bit_for_bit_in_bfloat16(tiny_dir, neutral_dir):
@@ -272,21 +273,21 @@ def test_the_llama4_moe_block_matches_transformers_bit_for_bit_in_bfloat16(tiny_
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir("llama4"), dtype=torch.bfloat16).eval()
     manifest, tensors = load(neutral_dir("llama4"))
     torch.manual_seed(0)
-    x = torch.randn(256, manifest["hidden_size"]).to(torch.bfloat16)
-    moe_layers = [i for i, layer in enumerate(manifest["layers"]) if layer["mlp"]["moe"] is not None]
+    x = torch.randn(256, manifest.hidden_size).to(torch.bfloat16)
+    moe_layers = [i for i, layer in enumerate(manifest.layers) if layer.mlp.moe is not None]
     assert moe_layers == [1, 3]  # interleave_moe_layer_step 2
     for i in moe_layers:
-        spec = manifest["layers"][i]["mlp"]["moe"]
+        spec = manifest.layers[i].mlp.moe
         w = {k.removeprefix(f"layers.{i}."): v.to(torch.bfloat16) for k, v in tensors.items()
              if k.startswith(f"layers.{i}.")}
         with torch.no_grad():
             ref = model.model.layers[i].feed_forward(x[None])[0]        # [T, D]: the block flattens the tokens
             ours = moe(x, x, w, spec)
-            on_output = moe(x, x, w, {**spec, "weights_input": False})
-        assert spec["routing"] == "topk_sigmoid" and spec["top_k"] == 1 and spec["shared_experts"] == 1
+            on_output = moe(x, x, w, spec.model_copy(update={"weights_input": False}))
+        assert spec.routing == "topk_sigmoid" and spec.top_k == 1 and spec.shared_experts == 1
         assert torch.equal(ours, ref) or rel_l2(ours, ref) < 1e-4, (i, rel_l2(ours, ref))
         assert rel_l2(on_output, ref) > 0.05
-        assert route(x, w, spec)[1].unique().numel() == spec["experts"]
+        assert route(x, w, spec)[1].unique().numel() == spec.experts
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,7 +332,7 @@ def test_a_qwen3_moe_checkpoint_with_norm_topk_prob_flipped_fails_at_the_first_m
     # converted, the flipped checkpoint states its (wrong) normalisation in the manifest, and fails the same way
     convert(broken, tmp_path / "broken.neutral")
     manifest, _ = load(tmp_path / "broken.neutral")
-    assert [l["mlp"]["moe"]["renormalise"] for l in manifest["layers"] if l["mlp"]["moe"]] == [False, False]
+    assert [moe.renormalise for moe in manifest.moes()] == [False, False]
     again = parity.check(tiny_dir("qwen3_moe"), tmp_path / "broken.neutral", layerwise=True)
     assert again.first_divergence.name == report.first_divergence.name
 
@@ -403,11 +404,11 @@ def test_the_qwen2_moe_shared_expert_and_its_gate_are_mapped_and_gate_the_output
             assert tmap[f"model.layers.{i}.mlp.shared_expert.{part}_proj.weight"].neutral == \
                 (f"layers.{i}.moe.shared.{part}.weight",)
     manifest, tensors = load(neutral_dir("qwen2_moe"))
-    spec = manifest["layers"][0]["mlp"]["moe"]
-    assert spec["shared_gate"] is True and spec["shared_experts"] == 1 and spec["shared_intermediate_size"] == 48
+    spec = manifest.layers[0].mlp.moe
+    assert spec.shared_gate is True and spec.shared_experts == 1 and spec.shared_intermediate_size == 48
     w = {k.removeprefix("layers.0."): v for k, v in tensors.items() if k.startswith("layers.0.")}
-    x = torch.randn(16, manifest["hidden_size"])
-    assert rel_l2(moe(x, x, w, {**spec, "shared_gate": False}), moe(x, x, w, spec)) > 1e-2
+    x = torch.randn(16, manifest.hidden_size)
+    assert rel_l2(moe(x, x, w, spec.model_copy(update={"shared_gate": False})), moe(x, x, w, spec)) > 1e-2
 
 
 def test_olmoe_conventions_resolve_from_transformers_defaults():

@@ -3,7 +3,7 @@ modules: DeepSeek-V3's self_attn and MoE mlp, Gemma 4's router + experts, in flo
 
 Weights reach the executor the way an engine would get them: the model is saved, read back through the adapter's
 tensor map (parity.checkpoint.open_checkpoint) and turned into neutral tensors (parity.neutral.converter.to_neutral); the
-executor's spec is built from the adapter's resolved settings.
+executor's spec is the layer of the neutral model, filled from the adapter's resolved settings.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from parity.adapter.declared import Source, fill
 from parity.checkpoint import open_checkpoint
-from parity.neutral.converter import layer_manifest, to_neutral
+from parity.neutral.converter import to_neutral
 from parity.neutral.executor import mla
 from parity.neutral.executor.mla import mla_attention
-from parity.neutral.executor.model import mla_spec
 from parity.neutral.executor.moe import moe, route
+from parity.neutral.model import Attention, Layer, Moe
 from parity.reference.tiny import build_model
 from tests.conftest import ADAPTERS
 
@@ -61,12 +62,20 @@ def _layer(neutral: dict, i: int) -> dict:
     return {k[len(prefix):]: v for k, v in neutral.items() if k.startswith(prefix)}
 
 
-def _mla_spec(r, i: int) -> dict:
-    return mla_spec(layer_manifest(r, i, r["positions.rope_style"])["attention"])
+def _spec(r, i: int) -> Layer:
+    return fill(Layer, Source(r, i, {"rope_style": r["positions.rope_style"]}))
 
 
-def _moe_spec(r, i: int) -> dict:
-    return layer_manifest(r, i, r["positions.rope_style"])["mlp"]["moe"]
+def _mla_spec(r, i: int) -> Attention:
+    return _spec(r, i).attention
+
+
+def _moe_spec(r, i: int) -> Moe:
+    return _spec(r, i).mlp.moe
+
+
+def _rope_style(att: Attention, style: str) -> Attention:
+    return att.model_copy(update={"rope": att.rope.model_copy(update={"style": style})})
 
 
 def _causal_mask(S: int) -> torch.Tensor:
@@ -105,15 +114,16 @@ def _rope_in_float32(x, cos, sin, style):
 
 def _norm_in_low_precision(x, weight, norm):
     """The q_a/kv_a RMSNorm computed in the model dtype instead of float32."""
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm["eps"]))
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
 
 
-# porting mistakes in MLA: (spec changes, a replacement for one of mla.py's functions, dtypes where it is a mistake)
+# porting mistakes in MLA: (the RoPE style rotated with, a replacement for one of mla.py's functions, dtypes where it
+# is a mistake)
 MLA_MISTAKES = {
-    "rope-permuted": ({"rope_style": "half"}, None, (torch.float32, torch.bfloat16)),
-    "mla-norm-dropped": ({}, ("rms_norm", lambda x, weight, norm: x), (torch.float32, torch.bfloat16)),
-    "norm-in-low-precision": ({}, ("rms_norm", _norm_in_low_precision), (torch.bfloat16,)),
-    "rope-in-float32": ({}, ("apply_rope", _rope_in_float32), (torch.bfloat16,)),
+    "rope-permuted": ("half", None, (torch.float32, torch.bfloat16)),
+    "mla-norm-dropped": (None, ("rms_norm", lambda x, weight, norm: x), (torch.float32, torch.bfloat16)),
+    "norm-in-low-precision": (None, ("rms_norm", _norm_in_low_precision), (torch.bfloat16,)),
+    "rope-in-float32": (None, ("apply_rope", _rope_in_float32), (torch.bfloat16,)),
 }
 
 
@@ -121,7 +131,7 @@ MLA_MISTAKES = {
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_mla_mistakes_exceed_the_bound(tmp_path, monkeypatch, mistake, dtype):
     """The comparison above can fail: each porting mistake lands above the bound on every layer."""
-    spec_changes, patch, _ = MLA_MISTAKES[mistake]
+    style, patch, _ = MLA_MISTAKES[mistake]
     ref, f32, r, neutral = _load(tmp_path, "deepseek_v3", dtype)
     x = torch.randn(2, 12, ref.config.hidden_size, generator=torch.Generator().manual_seed(1))
     cos, sin = f32.model.rotary_emb(x, torch.arange(12)[None])
@@ -132,7 +142,8 @@ def test_mla_mistakes_exceed_the_bound(tmp_path, monkeypatch, mistake, dtype):
         with torch.no_grad():
             want, _ = layer.self_attn(x.to(dtype), position_embeddings=(cos.to(dtype), sin.to(dtype)),
                                       attention_mask=mask.to(dtype))
-            got = mla_attention(x.to(dtype), _layer(neutral, i), {**_mla_spec(r, i), **spec_changes},
+            att = _mla_spec(r, i)
+            got = mla_attention(x.to(dtype), _layer(neutral, i), _rope_style(att, style) if style else att,
                                 cos[0], sin[0], mask)
         assert rel_l2(got, want) > BOUND[dtype], f"layer {i}: {mistake} unseen"
 
@@ -153,14 +164,14 @@ def test_interleaved_is_half_on_deinterleaved_rows(tmp_path, dtype):
     x = torch.randn(2, 12, ref.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
     cos, sin = f32.model.rotary_emb(x, torch.arange(12)[None])
     w, spec = _layer(neutral, 0), _mla_spec(r, 0)
-    nope, rope, kv_rank = spec["qk_nope_head_dim"], spec["qk_rope_head_dim"], spec["kv_lora_rank"]
+    nope, rope, kv_rank = spec.mla.qk_nope_head_dim, spec.mla.qk_rope_head_dim, spec.mla.kv_lora_rank
     permuted = {**w, "attn.q_b.weight": _deinterleave_rows(w["attn.q_b.weight"], nope + rope, nope, rope),
                 "attn.kv_a.weight": _deinterleave_rows(w["attn.kv_a.weight"], kv_rank + rope, kv_rank, rope),
                 "attn.kv_a.bias": _deinterleave_rows(w["attn.kv_a.bias"], kv_rank + rope, kv_rank, rope)}
     with torch.no_grad():
         interleaved = mla_attention(x, w, spec, cos[0], sin[0], _causal_mask(12))
-        half = mla_attention(x, permuted, {**spec, "rope_style": "half"}, cos[0], sin[0], _causal_mask(12))
-    assert spec["rope_style"] == "interleaved"
+        half = mla_attention(x, permuted, _rope_style(spec, "half"), cos[0], sin[0], _causal_mask(12))
+    assert spec.rope.style == "interleaved"
     assert torch.equal(half, interleaved)
 
 
@@ -173,8 +184,8 @@ def test_moe_matches_deepseek_v3_moe(tmp_path, dtype):
     assert moe_layers == [1, 2]
     for i in moe_layers:
         mlp, w, spec = ref.model.layers[i].mlp, _layer(neutral, i), _moe_spec(r, i)
-        assert spec["routing"] == "sigmoid" and spec["groups"] == 2 and spec["shared_experts"] == 2
-        assert spec["router_norm"] is None and spec["router_input_scale"] is None
+        assert spec.routing == "sigmoid" and spec.groups == 2 and spec.shared_experts == 2
+        assert spec.router_norm is None and spec.router_input_scale is None
         with torch.no_grad():
             _, want_weights, want_index = mlp.gate(x)
             weights, index = route(x.view(-1, H), w, spec)
@@ -200,7 +211,7 @@ def test_moe_bf16_mistakes_exceed_the_bound(tmp_path):
             right = moe(x, x, w, spec)  # equals transformers' default (grouped_mm) experts: test above
             eager = ref.model.layers[i].mlp(x)  # transformers' "eager" experts: index_add_ of bf16 products
             assert rel_l2(right, eager) > BOUND[torch.bfloat16]
-            router_in_bf16.append(rel_l2(moe(x, x, w, {**spec, "router_dtype": "model"}), right))
+            router_in_bf16.append(rel_l2(moe(x, x, w, spec.model_copy(update={"router_dtype": "model"})), right))
     assert max(router_in_bf16) > BOUND[torch.bfloat16]
 
 
@@ -212,7 +223,7 @@ def test_deepseek_v3_routing_exercises_bias_and_groups(tmp_path):
     with torch.no_grad():
         _, index = route(x, w, spec)
         _, no_bias = route(x, {k: v for k, v in w.items() if k != "moe.router.score_bias"}, spec)
-        _, no_groups = route(x, w, {**spec, "groups": None})
+        _, no_groups = route(x, w, spec.model_copy(update={"groups": None}))
     chosen = lambda idx: idx.sort(-1).values  # noqa: E731
     assert (chosen(index) != chosen(no_bias)).any(-1).sum() >= 5
     assert (chosen(index) != chosen(no_groups)).any(-1).sum() >= 5
@@ -228,15 +239,15 @@ def test_moe_matches_gemma4_router_and_experts(tmp_path, dtype):
     for i, layer in enumerate(ref.model.layers):
         assert r.layer("mlp.moe", i)
         w, spec = _layer(neutral, i), _moe_spec(r, i)
-        assert spec["routing"] == "softmax" and spec["router_norm"]["weight"] is False
-        assert spec["router_input_scale"] == pytest.approx(H ** -0.5, rel=1e-15)
+        assert spec.routing == "softmax" and spec.router_norm.weight is False
+        assert spec.router_input_scale == pytest.approx(H ** -0.5, rel=1e-15)
         with torch.no_grad():
             _, want_weights, want_index = layer.router(mid)
             expert_input = layer.pre_feedforward_layernorm_2(mid)
             want = layer.experts(expert_input, want_index, want_weights)
             weights, index = route(mid, w, spec)
             got = moe(mid, expert_input, w, spec)
-            unscaled = moe(mid, expert_input, w, {**spec, "router_input_scale": None})
+            unscaled = moe(mid, expert_input, w, spec.model_copy(update={"router_input_scale": None}))
         assert torch.equal(index, want_index)
         torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
         assert got.dtype == dtype

@@ -26,11 +26,11 @@ from click.testing import CliRunner
 import parity
 from parity.checkpoint import open_checkpoint
 from parity.cli import cli
+from parity.engines.onnx import export as onnx_export
+from parity.engines.onnx import graph as onnx_graph
 from parity.neutral.converter import convert
 from parity.neutral.executor.model import NeutralModel
 from parity.neutral.manifest import load
-from parity.ports.onnx import export as onnx_export
-from parity.ports.onnx import graph as onnx_graph
 from tests import onnx_helpers
 from tests.conftest import FAMILIES
 

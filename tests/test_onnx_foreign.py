@@ -1,6 +1,6 @@
 """Quantized ONNX files that parity did not write (issue 34): a tiny BERT and a tiny Llama exported by torch.onnx
 inside a wrapper module and quantized by onnxruntime's own tools (tests/onnx_foreign.py), read back with
---same-weights by what the graph computes (parity/ports/onnx/weights.py: each weight placed by its name under the
+--same-weights by what the graph computes (parity/engines/onnx/weights.py: each weight placed by its name under the
 wrapper's prefix, or by the module path of the node that reads it) and judged at onnxruntime's CPU arithmetic.
 
 On this machine (x86 with AVX2, no VNNI: onnxruntime's u8 x s8 kernels add products in saturating int16 pairs,
@@ -106,7 +106,7 @@ def test_a_graph_whose_rounding_the_reference_cannot_follow_is_refused(foreign, 
 
 
 def test_weights_are_placed_by_name_under_a_prefix_or_by_their_readers_module_path(foreign):
-    from parity.ports.onnx.weights import PROJECTIONS, _Graph, _matmul, _Places
+    from parity.engines.onnx.weights import PROJECTIONS, _Graph, _matmul, _Places
 
     ckpt, candidate = foreign("bert", "qoperator")
     g = _Graph(candidate)
@@ -128,7 +128,7 @@ def test_saturated_pairs_are_summed_as_vpmaddubsw_sums_them():
     saturated to int16, the pairs summed. Weights as large as int8 goes, so that many pairs saturate."""
     import torch
 
-    from parity.reference.arithmetic.ort import saturated_pairs
+    from parity.engines.onnx.arithmetic import saturated_pairs
 
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, 256, (3, 5, 33), generator=g).double()  # an odd K: the kernel pads it with a zero

@@ -1,5 +1,5 @@
-"""ONNX exports quantized by onnxruntime (parity convert --onnx-quant, parity/ports/onnx/quantize.py), judged with
---same-weights at onnxruntime's own arithmetic (parity/ports/onnx/weights.py, parity/reference/arithmetic/ort.py).
+"""ONNX exports quantized by onnxruntime (parity convert --onnx-quant, parity/engines/onnx/quantize.py), judged with
+--same-weights at onnxruntime's own arithmetic (parity/engines/onnx/weights.py, parity/engines/onnx/arithmetic.py).
 
 Measured on this machine (x86 with AVX-512 VNNI, onnxruntime 1.32.0), the 64-token default prompt: each
 projection of onnxruntime's own input, emulated, equals onnxruntime's output bit for bit (rel_l2 0) in all three
@@ -34,7 +34,7 @@ def _cli(*args):
 def made(tmp_path_factory):
     """made(family, mode, inject=None): the tiny checkpoint, and its export quantized by onnxruntime (the float32
     export is made once per family and twin; int8-dynamic through the CLI, the others from that export)."""
-    from parity.ports.onnx.quantize import _default_ids, quantize_graph
+    from parity.engines.onnx.quantize import _default_ids, quantize_graph
     from parity.reference.tiny import build_model
 
     root = tmp_path_factory.mktemp("onnx-quant")
@@ -119,8 +119,8 @@ def test_one_projection_is_exact_on_onnxruntimes_own_input(made, mode):
     """Each projection's input and output read out of onnxruntime: the emulation gives its output exactly."""
     import onnxruntime as ort
 
-    from parity.ports.onnx.weights import PROJECTIONS, _Graph, _matmul
-    from parity.reference.arithmetic.ort import _projection
+    from parity.engines.onnx.arithmetic import _projection
+    from parity.engines.onnx.weights import PROJECTIONS, _Graph, _matmul
 
     _, path = made("llama", mode)
     model, g = onnx.load(str(path)), _Graph(path)
@@ -153,7 +153,7 @@ def test_one_projection_is_exact_on_onnxruntimes_own_input(made, mode):
         linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
         linear.weight.data = w.float().contiguous()
         plain = linear(x)
-        emulated = _projection(spec)(linear, (x,), plain) if spec.get("input") or spec.get("output") else plain
+        emulated = _projection(spec)(linear, (x,), plain) if spec.input or spec.output else plain
         assert _rel(emulated, y) < 1e-6, n.name
         if mode != "int4":  # MatMulNBits at accuracy_level 0 multiplies in float32: the plain product is exact
             assert _rel(plain, y) > 1e-3, n.name
@@ -193,7 +193,7 @@ def test_a_qoperator_graph_of_the_projections_is_read_back_and_every_other_refus
 
     from onnxruntime import quantization as q
 
-    from parity.ports.onnx.quantize import _default_ids, _Prompt, _weight_matmuls, fold_transposes
+    from parity.engines.onnx.quantize import _default_ids, _Prompt, _weight_matmuls, fold_transposes
 
     ckpt, qdq = made("llama", "qdq")
     model = onnx.load(str(qdq.with_name("llama-float-correct.onnx")))

@@ -17,8 +17,8 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from parity.candidates.openvino import conversions
 from parity.cli import cli
+from parity.engines.openvino.kind import conversions
 from tests.conftest import FAMILIES
 
 pytest.importorskip("openvino")

@@ -1,6 +1,6 @@
 """Operation-level points (docs/ops.md) from the engine kinds that run a graph or a model of their own: ONNX
 (parity's own export with its ops as outputs; a torch.onnx export of transformers' model, its ops found by module
-path and by its attention's Softmax: parity.ports.graph_ops), OpenVINO (transformers' model converted by
+path and by its attention's Softmax: parity.engines.graph_ops), OpenVINO (transformers' model converted by
 openvino.convert_model: module paths, and the inputs of its ScaledDotProductAttention) and mlx-lm (its modules
 wrapped; q_rope and k_rope from the queries and keys it hands scaled_dot_product_attention).
 
@@ -108,7 +108,7 @@ def onnx_files(tiny_dir, tmp_path_factory):
     torch.onnx's export of the edited llama ("llama-k"), made two at a time in worker processes."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    from parity.ports.onnx.export import export
+    from parity.engines.onnx.export import export
     from tests.onnx_helpers import export_foreign
 
     root = tmp_path_factory.mktemp("ops-onnx")

@@ -107,7 +107,7 @@ def test_a_decode_step_scores_every_cached_key(neutral_dir):
     model(PROMPT[:, :10], cache=cache)
     got: dict[str, torch.Tensor] = {}
     model(PROMPT[:, 10:11], on_point=lambda n, t: got.setdefault(n, t.clone()), cache=cache, ops=True)
-    heads = manifest["layers"][0]["attention"]["heads"]
+    heads = manifest.layers[0].attention.heads
     assert got["layers.0.attn.scores"].shape == (1, 1, heads * 11)
     assert got["layers.0.attn.probs"].sum().item() == pytest.approx(heads)
     assert got["layers.0.attn.k_rope"].shape[1] == 1  # this step's key only

@@ -1,4 +1,4 @@
-"""Operation-level points (docs/ops.md) out of llama.cpp's graph (parity.ports.gguf.ops): on tiny float32 GGUFs written by
+"""Operation-level points (docs/ops.md) out of llama.cpp's graph (parity.engines.gguf.ops): on tiny float32 GGUFs written by
 `parity convert --to gguf`, every op llama.cpp exposes matches transformers' (the adapter's [ops], parity.reference.capture)
 at float32 noise, in the layout docs/ops.md gives; q/k rows that llama.cpp's "llama" kernel wants permuted come back
 in the checkpoint's order, so that a file whose rows were not permuted diverges at attn.q.

@@ -30,7 +30,7 @@ def _check(reference, candidate, report, *extra):
 def onnx_int8(tmp_path_factory):
     """made(inject=None): a tiny Llama and its export quantized by onnxruntime's quantize_dynamic (int8 weights,
     activations quantized at run time), correct or with a catalogued mistake in the export."""
-    from parity.ports.onnx.quantize import _default_ids, quantize_graph
+    from parity.engines.onnx.quantize import _default_ids, quantize_graph
     from parity.reference.tiny import build_model
 
     root = tmp_path_factory.mktemp("quantized-onnx")

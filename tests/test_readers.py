@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 import parity
 from parity import dumps
 from parity.candidates import Candidate, Notes
-from parity.candidates import onnx as onnx_candidate
 from parity.checkpoint import open_checkpoint, read_config
+from parity.engines.onnx import kind as onnx_candidate
 from parity.errors import ParityError
 from parity.neutral.manifest import load, read_manifest
 from parity.reference.golden import open_golden

@@ -39,8 +39,8 @@ def test_llama_cpp_matmuls_are_reproduced_on_their_own_inputs():
     float32 matmul is 1e-3 to 1e-2 away (Q5_0, Q8_0 and Q6_K weights in layer 0; the tied output in Q8_0)."""
     import torch
 
-    from parity.candidates.gguf import GGUFRun, _read
-    from parity.reference.arithmetic.ggml import ACTIVATIONS, round_activations
+    from parity.engines.gguf.arithmetic import ACTIVATIONS, round_activations
+    from parity.engines.gguf.kind import GGUFRun, _read
 
     got: dict[str, torch.Tensor] = {}
 

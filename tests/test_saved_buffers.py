@@ -35,7 +35,7 @@ def _inv_freq(theta: float, dim: int) -> torch.Tensor:
 
 
 def _buffers(path) -> dict[str, dict]:
-    return {b["name"]: b for b in report(open_checkpoint(path))["weights"]["buffers"]}
+    return {b["name"]: b for b in report(open_checkpoint(path)).to_json()["weights"]["buffers"]}
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ def minilm_style_bert(tmp_path):
 
 def test_bert_legacy_names_and_position_ids_are_accounted_for(minilm_style_bert):
     path, config = minilm_style_bert
-    data = report(open_checkpoint(path))["weights"]
+    data = report(open_checkpoint(path)).to_json()["weights"]
     assert data["accounted_for"] and data["prefix"] == ""
     assert len(data["legacy_names"]) == 2 * (1 + 2 * config["num_hidden_layers"])  # gamma and beta of each LN
     assert all(n.endswith(("LayerNorm.gamma", "LayerNorm.beta")) for n in data["legacy_names"])

@@ -54,7 +54,7 @@ def test_streamed_reference_is_transformers_bit_for_bit(family, tiny_dir):
 def test_streamed_executor_equals_the_whole_executor(family, neutral_dir):
     manifest, tensors = load(neutral_dir(family))
     _, source = load(neutral_dir(family), lazy=True)
-    ckpt_vocab = manifest["tensors"]["embed.tokens.weight"]["shape"][0]
+    ckpt_vocab = manifest.tensors["embed.tokens.weight"].shape[0]
     ids = torch.tensor([[3 + (7919 * k) % (ckpt_vocab - 3) for k in range(40)]])
     seen_whole, seen_streamed = {}, {}
     expected = NeutralModel(manifest, tensors)(ids, on_point=lambda n, t: seen_whole.setdefault(n, t.clone()))
@@ -82,7 +82,7 @@ def test_embedding_reads_only_the_prompts_rows_and_the_head_in_chunks(neutral_di
     model(ids)
     rows = [(a, b) for n, a, b in reads if n == "embed.tokens.weight" and b is not None and b - a < vocab]
     assert sorted(rows)[:2] == [(5, 8), (40, 41)]  # consecutive ids in one read, repeated ids once
-    head = "embed.tokens.weight" if manifest["head"]["tied"] else "lm_head.weight"
+    head = "embed.tokens.weight" if manifest.head.tied else "lm_head.weight"
     chunks = [(a, b) for n, a, b in reads if n == head and (b or vocab) - a == 64]
     assert len(chunks) >= vocab // 64 - 1
     assert not any(n == head and a == 0 and b is None for n, a, b in reads)  # never the whole table

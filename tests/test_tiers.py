@@ -79,8 +79,8 @@ def _modules() -> list[str]:
 def test_every_module_of_parity_imports_without_the_engines(monkeypatch):
     """The fast tier runs without the engine extras: no module of parity/ imports an engine's package where it is
     loaded, and each loads with them absent. Importing executes the modules only engine tests run otherwise
-    (parity.ports.openvino, parity.ports.gguf.ops, parity.ports.gguf.weights), so the fast tier executes every
-    module of parity/."""
+    (parity.engines.openvino.graph, parity.engines.gguf.ops, parity.engines.gguf.weights), so the fast tier executes
+    every module of parity/."""
     problems = []
     for path in sorted(PARITY.rglob("*.py")):
         try:

@@ -71,7 +71,7 @@ def graphs(llama):
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    from parity.ports.onnx.quantize import _default_ids, quantize_graph
+    from parity.engines.onnx.quantize import _default_ids, quantize_graph
 
     made = {"float32": llama / "float32.onnx", "float16": llama / "float16.onnx"}
     _cli("convert", llama / "llama", "--to", "onnx", "-o", made["float32"])
@@ -293,7 +293,7 @@ def test_gguf_without_a_file_type_is_named_by_its_commonest_matrix_type(tmp_path
 
 
 def test_gguf_a_malformed_file_is_the_headers_one_line(gguf_files, tmp_path):
-    from parity.ports.gguf.file import read_header
+    from parity.engines.gguf.file import read_header
 
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(gguf_files("llama", "Q8_0").read_bytes()[:5000])
@@ -329,7 +329,7 @@ def _converted(cache: Path, engine: str) -> list[str]:
 
 def test_mlx_affine_4bit_is_5_bits_on_its_matrices(llama, engine_cache):
     pytest.importorskip("mlx_lm")
-    from parity.candidates.mlx import conversion_settings, model_dir
+    from parity.engines.mlx.kind import conversion_settings, model_dir
 
     source = llama / "llama"
     w = _weights("mlx", source, {"bits": "4"})  # answered from the settings: nothing converted
@@ -350,7 +350,7 @@ def test_mlx_affine_4bit_is_5_bits_on_its_matrices(llama, engine_cache):
 
 def test_openvino_nncf_int8_per_channel_and_int4_in_groups_of_128(llama, engine_cache):
     pytest.importorskip("nncf")
-    from parity.candidates.openvino import checked, conversions, model_xml
+    from parity.engines.openvino.kind import checked, conversions, model_xml
 
     source = llama / "wide"
     w = _weights("openvino", source, {"weights": "int4"})  # no conversion cached: NNCF's mode by name
@@ -382,7 +382,7 @@ def _rows(xml: Path) -> list[tuple[int, ...]]:
 
 def test_ctranslate2_int8_and_its_row_scales(llama, engine_cache):
     pytest.importorskip("ctranslate2")
-    from parity.candidates.ctranslate2 import convert
+    from parity.engines.ctranslate2.kind import convert
 
     source = llama / "llama"
     assert _weights("ctranslate2", source, {"quantization": "int8"}).scheme == "int8"

@@ -50,7 +50,6 @@ from parity.adapter.schema import (
     Buffer,
     CapturePoint,
     EmbeddingConvention,
-    GGUFExport,
     MLPConvention,
     NormConvention,
     NormModule,
@@ -67,11 +66,11 @@ from parity.errors import ParityError
 
 __all__ = [
     "ACTIVATIONS", "ATTENTION_FIELDS", "BUFFER_KINDS", "CHOICES", "ENV_VAR", "OPTIONAL", "SECTIONS", "Adapter",
-    "AdapterFile", "AttentionConvention", "Buffer", "CapturePoint", "EmbeddingConvention", "GGUFExport",
+    "AdapterFile", "AttentionConvention", "Buffer", "CapturePoint", "EmbeddingConvention",
     "MLPConvention", "NormConvention", "NormModule", "OpPoint", "Param", "PositionConvention", "Resolved",
     "ResolvedBuffer", "ResolvedCapture", "ResolvedNorm", "ResolvedTensor", "Setting", "Split", "TensorEntry", "Tiny",
     "Value", "Variant", "builtin_dir", "ignored", "load_adapter", "load_all", "needs_family", "recognise", "resolve",
-    "resolved_data", "rope_settings", "search_path", "text_config",
+    "resolved_data", "search_path", "text_config",
 ]
 
 
@@ -136,6 +135,11 @@ class ResolvedNorm:
     @property
     def params(self) -> int:
         return self.dim * (int(self.has_weight) + int(self.has_bias))
+
+    @property
+    def folded(self) -> bool:
+        """The family computes ``1 + w``: the neutral layout stores that sum, applied as a plain weight."""
+        return self.weight == "one_plus_weight"
 
 
 @dataclass(frozen=True)
@@ -354,7 +358,8 @@ def resolve(adapter: Adapter, variant: Variant, config: dict, wrapper: dict | No
             capture.append(ResolvedCapture(_fill(point, i=i), _fill(where.module, i=i, prefix=variant.module_prefix),
                                            where.io, where.arg, where.field))
     capture.sort(key=lambda c: names.point_order(c.name))
-    return Resolved(adapter, variant, config, r.num_layers, settings, norms, tensors, capture, buffers, env=r.env,
+    return Resolved(adapter=adapter, variant=variant, config=config, num_layers=r.num_layers, settings=settings,
+                    norms=norms, tensors=tensors, capture=capture, buffers=buffers, env=r.env,
                     ops=_ops(r, spec, variant.module_prefix))
 
 
@@ -466,18 +471,3 @@ def ignored(name: str, variant: Variant, env: dict) -> bool:
     """Whether a checkpoint tensor belongs to something the adapter deliberately leaves out."""
     return any(fnmatch.fnmatchcase(name, _fill(p, **{k: v for k, v in env.items() if isinstance(v, (int, str))}))
                for p in variant.ignore)
-
-
-def rope_settings(r: Resolved, i: int, style: str) -> dict | None:
-    """Layer i's RoPE as the manifest states it (None without RoPE, or on a NoPE layer)."""
-    if r["positions.kind"] != "rope" or r.layer("positions.nope", i):
-        return None
-    return {
-        "theta": r.layer("positions.rope_theta", i),
-        "style": style,
-        "rotary_dim": r.layer("positions.rotary_dim", i),
-        "head_dim": r.layer("attention.qk_rope_head_dim", i) or r.layer("attention.head_dim", i),
-        "scaling": r.layer("positions.rope_scaling", i),
-        "max_positions": r["positions.max_positions"],
-        "compute_dtype": r["positions.rope_dtype"],  # "model", or "float32": rotate upcast, cast back
-    }

@@ -1,6 +1,6 @@
 """Candidate kinds: the things parity checks against a reference.
 
-A kind is one module of this package that defines::
+A kind is one module (here, or an engine's ``parity/engines/<engine>/kind.py``) that defines::
 
     KIND = "gguf"                                   # its name in reports
     def detect(path) -> bool                        # is this path one of mine?
@@ -38,7 +38,7 @@ and optionally::
                                                     # --calibrate of a quantized candidate): those of the
                                                     # conversion the engine options ask for, as the runner's
     def arithmetic(out) -> object | None            # how its engine computes, as same_weights saved it in out
-                                                    # (parity.reference.arithmetic); None: float32 as transformers
+                                                    # (parity.engines.arithmetic); None: float32 as transformers
     def weights(path, engine) -> Weights | None     # how it stores its weights (parity.weights.Weights): a
                                                     # quantized one is judged at its own weights by default; None:
                                                     # it cannot tell
@@ -47,8 +47,9 @@ and optionally::
                                                     # made (parity.dumps.mistakes.Found: a BOS doubled, ...), else
                                                     # ParityError; asked before any side runs
 
-and one line in KINDS below (ENGINES: the kinds taken only when named). The check (parity.checker) depends only on this protocol: it never imports a kind's
-module, which is loaded on first use (an engine's Python bindings are imported only when its files are checked).
+and one line in KINDS below naming its module (ENGINES: the kinds taken only when named). The check
+(parity.checker) depends only on this protocol: it never imports a kind's module, which is loaded on first use (an
+engine's Python bindings are imported only when its files are checked).
 """
 
 from __future__ import annotations
@@ -58,9 +59,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-# Detection order: the first kind whose detect() accepts a path runs it. Engines come last: taken only when named.
-KINDS = ("dump", "onnx", "gguf", "golden", "neutral", "huggingface")
-ENGINES: tuple[str, ...] = ("mlx", "ctranslate2", "openvino", "python_engine")
+# One line per kind, naming its module. Detection order: the first kind whose detect() accepts a path runs it.
+# Engines come last: taken only when named.
+KINDS = (
+    "parity.candidates.dump",
+    "parity.engines.onnx.kind",
+    "parity.engines.gguf.kind",
+    "parity.candidates.golden",
+    "parity.candidates.neutral",
+    "parity.candidates.huggingface",
+)
+ENGINES: tuple[str, ...] = (
+    "parity.engines.mlx.kind",
+    "parity.engines.ctranslate2.kind",
+    "parity.engines.openvino.kind",
+    "parity.candidates.python_engine",
+)
 
 
 @dataclass(frozen=True)
@@ -140,19 +154,20 @@ _loaded: dict[str, Kind] = {}
 def kinds() -> dict[str, Kind]:
     """Every candidate kind, by name, in detection order (the engines last). A kind's module imports nothing of
     its engine at load: its Python bindings are imported when it runs."""
+    hooks = ("validate", "shapes", "describe", "check_span", "make_decoder", "same_weights", "check_options",
+             "arithmetic", "check_ids", "weights")  # the protocol's optional functions
     for module in KINDS + ENGINES:
         if module not in _loaded:
-            m = importlib.import_module(f"{__name__}.{module}")
+            m = importlib.import_module(module)
             options = tuple(getattr(m, "OPTIONS", ()))
             engine = tuple(sorted(getattr(m, "ENGINE_OPTIONS", {}).items()))
-            _loaded[module] = Kind(m.KIND, m.detect, m.make_runner, getattr(m, "ISOLATES", False),
-                                   options + (("engine",) if engine else ()), getattr(m, "EXPLICIT", False),
-                                   tuple(getattr(m, "ALIASES", ())), engine, getattr(m, "REQUIRES", None),
-                                   *(getattr(m, f, None) for f in ("validate", "shapes", "describe", "check_span",
-                                                                   "make_decoder", "same_weights", "check_options",
-                                                                   "arithmetic")), getattr(m, "TAKES", ""),
-                                   generic=getattr(m, "GENERIC", False), check_ids=getattr(m, "check_ids", None),
-                                   weights=getattr(m, "weights", None))
+            _loaded[module] = Kind(name=m.KIND, detect=m.detect, make_runner=m.make_runner,
+                                   isolates=getattr(m, "ISOLATES", False),
+                                   options=options + (("engine",) if engine else ()),
+                                   explicit=getattr(m, "EXPLICIT", False), aliases=tuple(getattr(m, "ALIASES", ())),
+                                   engine_options=engine, requires=getattr(m, "REQUIRES", None),
+                                   takes=getattr(m, "TAKES", ""), generic=getattr(m, "GENERIC", False),
+                                   **{f: getattr(m, f, None) for f in hooks})
     return {k.name: k for k in (_loaded[m] for m in KINDS + ENGINES)}
 
 

@@ -32,9 +32,9 @@ def validate(path: Path, adapter_dirs=()) -> None:
 def _run_of(golden, ids: torch.Tensor) -> int:
     """The golden's run recorded on these ids: a golden holds what it was run on, nothing else."""
     row = ids[0].tolist()
-    k = next((k for k, run in enumerate(golden.runs) if run["ids"] == row), None)
+    k = next((k for k, run in enumerate(golden.runs) if run.ids == row), None)
     if k is None:
-        held = "; ".join(f"{len(r['ids'])} tokens ({r['source']})" for r in golden.runs)
+        held = "; ".join(f"{len(r.ids)} tokens ({r.source})" for r in golden.runs)
         raise ParityError(f"--candidate {golden.path}: the golden holds no run on these {len(row)} ids (it holds "
                           f"{held}); check with the inputs it was recorded on (`parity inputs {golden.path} -o "
                           f"inputs.json`, then --inputs inputs.json)")
@@ -58,7 +58,7 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     golden = open_golden(Path(candidate.path), candidate.models.adapter_dirs)
     k = _run_of(golden, ids)
     held = golden.decode_steps(len(tokens), k)
-    if held["tokens"][:len(tokens)] != tokens:
+    if held.tokens[:len(tokens)] != tokens:
         raise ParityError(f"--candidate {candidate.path}: the golden was decoded on other tokens than the "
                           f"reference's continuation; record both from one checkpoint")
     return golden.step_runner(k, len(tokens), set(golden.points))

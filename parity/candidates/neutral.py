@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
+from parity.candidates.weights import checkpoint
+from parity.diagnosis import bugs
 from parity.errors import ParityError
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.manifest import load as read, read_manifest
 from parity.reference.models import Emit, Models
 
 KIND = "neutral"
@@ -25,10 +29,6 @@ def load(models: Models, path: Path, dtype: torch.dtype, inject: str | None = No
     """The executor's model for a neutral directory, loaded once per check (and per injected mistake).
     ``source_rope_style``: the RoPE style of the checkpoint it was converted from (the reference's), in whose q/k
     row order its operation-level points are emitted."""
-    from parity.diagnosis import bugs
-    from parity.neutral.executor.model import NeutralModel
-    from parity.neutral.manifest import load as read
-
     key = (KIND, str(path), dtype, inject)
     if key not in models.loaded:
         # an injected mistake rewrites tensors, so that candidate is held whole
@@ -77,26 +77,20 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
 
 def shapes(path: Path, adapter_dirs=()) -> list:
     """The shapes of the weights parity will hold to run it (the check decides from them whether to stream)."""
-    from parity.neutral.manifest import read_manifest
-
-    return [info["shape"] for info in read_manifest(path)["tensors"].values()]
+    return [info.shape for info in read_manifest(path).tensors.values()]
 
 
 def describe(path: Path, engine: dict | None = None) -> dict:
     """What the report's candidate entry adds: how a quantized source was dequantized by convert."""
-    from parity.neutral.manifest import read_manifest
-
-    q = read_manifest(path)["source"].get("quantization")
+    q = read_manifest(path).source.quantization
     return {} if q is None else {"quantization": q}
 
 
 def check_span(path: Path, start: int, stop: int) -> None:
     """A slice --layers START:STOP starts from the reference's input to layer START: a layer of the slice that
     reuses the keys and values of an earlier layer outside it cannot run."""
-    from parity.neutral.manifest import read_manifest
-
-    for i, layer in enumerate(read_manifest(path)["layers"][start:stop], start):
-        source = layer["attention"].get("kv_shared_from")
+    for i, layer in enumerate(read_manifest(path).layers[start:stop], start):
+        source = layer.attention.kv_shared_from
         if source is not None and source < start:
             raise ParityError(f"--layers {start}:{stop}: layer {i} reuses the keys and values of layer {source}; "
                               f"start the slice at {source} or earlier")
@@ -104,6 +98,4 @@ def check_span(path: Path, start: int, stop: int) -> None:
 
 def weights(path: Path, engine: dict | None = None):
     """Its tensors' dtypes, from the safetensors headers (convert dequantized a quantized source: describe says how)."""
-    from parity.candidates.weights import checkpoint
-
     return checkpoint(path)

@@ -5,7 +5,7 @@ reference's continuation, and each step's points are judged against the referenc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -29,12 +29,50 @@ class ReferenceSteps:
 
 
 @dataclass
+class Step:
+    """One decode step's verdict: its worst point, and at the logits how far the next-token distributions are."""
+
+    step: int
+    position: int
+    token: int                    # the token fed at this step
+    passed: bool = True
+    worst: str | None = None
+    worst_rel_l2: float = 0.0
+    logits_compared: bool = False
+    kl: float | None = None       # None with the logits compared: they could not be (parity.compare.logit_metrics)
+    top1: float | None = None
+
+    def to_json(self) -> dict:
+        out = {"step": self.step, "position": self.position, "token": self.token, "passed": self.passed,
+               "worst": self.worst, "worst_rel_l2": self.worst_rel_l2}
+        return {**out, "kl": self.kl, "top1": self.top1} if self.logits_compared else out
+
+
+@dataclass(frozen=True)
+class DecodeSummary:
+    """The report's ``decode`` section."""
+
+    steps: int
+    prompt_length: int
+    tokens: list[int]
+    crossed: list[dict]                 # parity.reference.decode.crossings
+    per_step: list[Step]
+    first_divergence: dict | None       # {"step", "point", "position", "rel_l2"}
+    kl_max: float | None
+    top1_agreement: float | None
+
+    def to_json(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "per_step": [s.to_json() for s in self.per_step]}
+
+
+@dataclass
 class Decoded:
     """A decode comparison: each step's point results, the report's ``decode`` section, and what a diagnosis
     needs at the first failing step."""
 
     points: list[PointResult] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
+    summary: DecodeSummary | None = None
     kept: dict = field(default_factory=dict)
 
 
@@ -58,7 +96,7 @@ class _Steps:
         self.order = {name: k for k, name in enumerate(wanted)}
         self.judge = Judge(plan.tolerances)
         self.out = Decoded()
-        self.steps: dict[int, dict] = {}
+        self.steps: dict[int, Step] = {}
 
     def __call__(self, step: int, name: str, got: torch.Tensor) -> None:
         if step < 1 or name not in self.order:  # the prefill is the prefill check's
@@ -69,35 +107,34 @@ class _Steps:
         ref, got = self.reference.points[(step, name)], got[:, -1:]
         result = self.judge(name, got, ref, *self.reference.noise.of(0, name, ref), step=step)
         self.out.points.append(result)
-        entry = self.steps.setdefault(step, {"step": step, "position": self.s + step - 1,
-                                             "token": self.reference.tokens[step - 1], "passed": True, "worst": None,
-                                             "worst_rel_l2": 0.0})
-        if result.rel_l2 > entry["worst_rel_l2"] or not result.passed and entry["passed"]:
-            entry["worst"], entry["worst_rel_l2"] = name, result.rel_l2
-        entry["passed"] &= result.passed
+        entry = self.steps.setdefault(step, Step(step, self.s + step - 1, self.reference.tokens[step - 1]))
+        if result.rel_l2 > entry.worst_rel_l2 or not result.passed and entry.passed:
+            entry.worst, entry.worst_rel_l2 = name, result.rel_l2
+        entry.passed &= result.passed
         kept = self.out.kept
         if name == "logits":
             lm = logit_metrics(got, ref.to(got.device))
-            entry.update(kl=None if lm is None else lm["kl_mean"], top1=None if lm is None else lm["top1_agreement"])
+            entry.logits_compared = True
+            entry.kl, entry.top1 = (None, None) if lm is None else (lm["kl_mean"], lm["top1_agreement"])
             if kept.get("step", step) == step:  # only the failing step's logits are kept (or the latest)
                 kept["logits"] = {step: (got.detach().cpu(), ref.detach().cpu())}
         if not result.passed and "step" not in kept:
             kept.update(step=step, point=name, candidate=got.detach().cpu(), reference=ref.detach().cpu(),
                         tolerance=result.tolerance.rel_l2)
 
-    def summary(self) -> dict:
+    def summary(self) -> DecodeSummary:
         failing = [p for p in self.out.points if p.compared and not p.passed]
         per_step = [self.steps[k] for k in sorted(self.steps)]
-        top1 = [e["top1"] for e in per_step if e.get("top1") is not None]
-        return {
-            "steps": self.n, "prompt_length": self.s, "tokens": self.reference.tokens,
-            "crossed": crossings(self.plan.checkpoint, self.s, self.n), "per_step": per_step,
-            "first_divergence": None if not failing else {"step": failing[0].step, "point": failing[0].name,
-                                                          "position": self.s + failing[0].step - 1,
-                                                          "rel_l2": failing[0].rel_l2},
-            "kl_max": max((e["kl"] for e in per_step if e.get("kl") is not None), default=None),
-            "top1_agreement": (sum(top1) / max(1, len(top1))) if per_step else None,
-        }
+        top1 = [e.top1 for e in per_step if e.top1 is not None]
+        return DecodeSummary(
+            steps=self.n, prompt_length=self.s, tokens=self.reference.tokens,
+            crossed=crossings(self.plan.checkpoint, self.s, self.n), per_step=per_step,
+            first_divergence=None if not failing else {"step": failing[0].step, "point": failing[0].name,
+                                                       "position": self.s + failing[0].step - 1,
+                                                       "rel_l2": failing[0].rel_l2},
+            kl_max=max((e.kl for e in per_step if e.kl is not None), default=None),
+            top1_agreement=(sum(top1) / max(1, len(top1))) if per_step else None,
+        )
 
 
 def compare_steps(plan: Plan, models: Models, reference: ReferenceSteps, ids: torch.Tensor,

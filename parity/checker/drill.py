@@ -65,29 +65,29 @@ def summarize(plan: Plan, layer: int, results: list[PointResult], kept: dict, ho
     before = None
     if first is not None:
         before = next((p for p in reversed(ordered[:ordered.index(first)]) if p.compared and p.passed), None)
-    out = {"layer": layer, "how": how, "fed": fed(plan, layer), "ops": [p.to_json() for p in ordered],
-           "first": None if first is None else first.name, "op_before": None if before is None else before.name,
-           "concentration": None, "summary": ""}
+    origin = fed(plan, layer)
+    concentration = None
     if first is None:
-        out["summary"] = (f"layer {layer} agrees at every op when run from "
-                          f"{'the reference' if out['fed'] == 'reference' else 'its own'} input: its divergence "
-                          f"comes from the layers before it")
-        return out
-    c, r = kept.get("candidate", {}).get(first.name), kept.get("reference", {}).get(first.name)
-    where = ""
-    if c is not None and r is not None and c.shape == r.shape:
-        out["concentration"] = where_it_sits(plan, layer, first.name, c, r)
-        where = out["concentration"]["summary"]
-    suffix = first.name.split(".", 2)[2]
-    what = CLOSES.get(suffix)
-    if what is None:
-        lead = f"{first.name} diverges first"
-    elif before is None:  # nothing in the layer came before it
-        lead = f"{first.name} diverges first: {what}"
+        summary = (f"layer {layer} agrees at every op when run from "
+                   f"{'the reference' if origin == 'reference' else 'its own'} input: its divergence "
+                   f"comes from the layers before it")
     else:
-        lead = f"every op before {first.name} agrees: {what} diverges"
-    out["summary"] = "; ".join(s for s in (lead, where) if s)
-    return out
+        c, r = kept.get("candidate", {}).get(first.name), kept.get("reference", {}).get(first.name)
+        where = ""
+        if c is not None and r is not None and c.shape == r.shape:
+            concentration = where_it_sits(plan, layer, first.name, c, r)
+            where = concentration["summary"]
+        what = CLOSES.get(first.name.split(".", 2)[2])
+        if what is None:
+            lead = f"{first.name} diverges first"
+        elif before is None:  # nothing in the layer came before it
+            lead = f"{first.name} diverges first: {what}"
+        else:
+            lead = f"every op before {first.name} agrees: {what} diverges"
+        summary = "; ".join(s for s in (lead, where) if s)
+    return {"layer": layer, "how": how, "fed": origin, "ops": [p.to_json() for p in ordered],
+            "first": None if first is None else first.name, "op_before": None if before is None else before.name,
+            "concentration": concentration, "summary": summary}
 
 
 def where_it_sits(plan: Plan, layer: int, name: str, candidate, reference) -> dict:

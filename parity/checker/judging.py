@@ -148,13 +148,14 @@ def gate(cost: dict, options: CheckOptions) -> dict | None:
     if not gates:
         return None
     failed = []
-    if "max_kl" in gates:
+    max_kl, min_top1 = gates.get("max_kl"), gates.get("min_top1")  # each where it is set
+    if max_kl is not None:
         kl = cost.get("kl_mean")
-        if kl is None or not kl <= gates["max_kl"]:
-            failed.append(f"kl_mean {'not measured' if kl is None else f'{kl:.3g}'} > --max-kl {gates['max_kl']:g}")
-    if "min_top1" in gates:
+        if kl is None or not kl <= max_kl:
+            failed.append(f"kl_mean {'not measured' if kl is None else f'{kl:.3g}'} > --max-kl {max_kl:g}")
+    if min_top1 is not None:
         top1 = cost.get("top1_agreement")
-        if top1 is None or not top1 >= gates["min_top1"]:
+        if top1 is None or not top1 >= min_top1:
             failed.append(f"top1_agreement {'not measured' if top1 is None else f'{top1:.3g}'} < --min-top1 "
-                          f"{gates['min_top1']:g}")
+                          f"{min_top1:g}")
     return {**gates, "failed": failed, "passed": not failed}

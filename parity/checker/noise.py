@@ -103,7 +103,7 @@ class Twin(NoNoise):
 
 
 class EngineTwin(Twin):
-    """Beside a reference that computes as the candidate's engine does (parity.reference.arithmetic: a quantized
+    """Beside a reference that computes as the candidate's engine does (parity.engines.arithmetic: a quantized
     file with --same-weights), the plain one, on the same weights in float32: their distance at each point is what the
     engine's arithmetic costs there, the noise of the check with --calibrate (the tolerance ENGINE_MULTIPLE times
     it); the candidate's distance to it is reported beside its distance to the emulating one, calibrated or not."""

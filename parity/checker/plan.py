@@ -65,6 +65,16 @@ def parse_layers(spec: str | None, num_layers: int) -> Span:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where the sides run, and whether their weights are read a layer at a time."""
+
+    device: str
+    candidate_device: str
+    stream: bool                 # weights read a layer at a time
+    chosen: bool                 # ... because the models would not fit (not asked for)
+
+
+@dataclass(frozen=True)
 class Plan:
     reference: object            # a reference side (parity.checker.sides): transformers or a golden
     candidate: CandidateSide
@@ -73,17 +83,14 @@ class Plan:
     isolate: bool
     calibrate: bool              # noise measured (a live twin) or recorded (a golden calibrated for dtype)
     quantized_noise: bool        # ... measured as the reference on the candidate's own dequantized weights
-    arithmetic: object           # how the candidate's engine computes (parity.reference.arithmetic), emulated
+    arithmetic: object           # how the candidate's engine computes (parity.engines.arithmetic), emulated
                                  # by a same-weights reference; None: float32
     tolerances: Tolerances
     inputs: tuple[Inputs, ...]
     span: Span
     decode: int                  # --decode N steps (0: none)
     generate: int                # --generate N tokens (0: none)
-    stream: bool                 # weights read a layer at a time
-    stream_chosen: bool          # ... because the models would not fit (not asked for)
-    device: str
-    candidate_device: str
+    placement: Placement
     diagnose: bool
     weights: Path | None         # the checkpoint a diagnosis re-runs: the reference, or a golden's --checkpoint
     adapter_dirs: tuple
@@ -219,9 +226,13 @@ def make_plan(reference: Path, candidate: Path, options: CheckOptions, arithmeti
                  and _quantized(kind, Path(candidate), dict(given.engine), dtype))
     # against a golden, the diagnosis needs the checkpoint's weights: --checkpoint
     weights = (Path(checkpoint) if checkpoint else None) if truth.stored else Path(reference)
-    return Plan(truth, side, dtype, o.layerwise or ops, isolate, calibrate, quantized, arithmetic, tolerances, inputs,
-                span, decode, generate, bool(stream), chosen and bool(stream), device, candidate_device, o.diagnose,
-                weights, tuple(adapter_dirs), ops, wrong_input=_wrong_input(kind, Path(candidate), inputs, ckpt))
+    placement = Placement(device=device, candidate_device=candidate_device, stream=bool(stream),
+                          chosen=chosen and bool(stream))
+    return Plan(reference=truth, candidate=side, dtype=dtype, layerwise=o.layerwise or ops, isolate=isolate,
+                calibrate=calibrate, quantized_noise=quantized, arithmetic=arithmetic, tolerances=tolerances,
+                inputs=inputs, span=span, decode=decode, generate=generate, placement=placement,
+                diagnose=o.diagnose, weights=weights, adapter_dirs=tuple(adapter_dirs), ops=ops,
+                wrong_input=_wrong_input(kind, Path(candidate), inputs, ckpt))
 
 
 def _wrong_input(kind: Kind, path: Path, inputs: tuple[Inputs, ...], ckpt) -> tuple | None:

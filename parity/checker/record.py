@@ -59,13 +59,13 @@ def _capture(models: Models, ckpt: Checkpoint, ids: torch.Tensor, points: list[s
             if torch.isfinite(x).all() and not torch.isfinite(kept).all():
                 raise ParityError(f"{name} exceeds {str(storage).removeprefix('torch.')}'s range (max |x| "
                                   f"{x.abs().max().item():.4g}); record with --storage float32")
-            entry = {"shape": list(x.shape), "storage_rel_l2": metrics(kept, x)["rel_l2"]}
+            rounding = metrics(kept, x)["rel_l2"]
+            entry = {"shape": list(x.shape), "storage_rel_l2": rounding}
             if noisy is not None:
                 noise = noisy.of(0, name, x)[0]
-                tolerance = tolerances.for_point(name, noise, entry["storage_rel_l2"])
-                entry.update(noise=noise, tolerance=asdict(tolerance))
+                entry.update(noise=noise, tolerance=asdict(tolerances.for_point(name, noise, rounding)))
             if isolated is not None:
-                entry["noise_isolated"] = isolated.of(0, name, x)[0]
+                entry.update(noise_isolated=isolated.of(0, name, x)[0])
             tensors[name], info[name] = kept, entry
     except BaseException:  # an error, Ctrl-C: the threads are told to end, and not waited for
         _stop(ref, noisy, isolated, wait=False)
@@ -108,6 +108,7 @@ def record(reference: Path, out: Path, *, prompts: Prompts = Prompts(), dtype: s
     # with --decode and no input given, a prompt that decoding takes across each sliding window
     all_inputs = prompts.select(ckpt, prompt_length(ckpt, decode) if decode and not prompts.given else None)
     say("hashing the checkpoint")
+    runs = []
     description = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "family": ckpt.resolved.family, "architecture": ckpt.variant.architectures[0],
@@ -116,7 +117,7 @@ def record(reference: Path, out: Path, *, prompts: Prompts = Prompts(), dtype: s
         "recorded_with": {"parity": __version__, "torch": torch.__version__,
                           "transformers": transformers.__version__, "python": platform.python_version()},
         "capture_points": selected,
-        "runs": [],
+        "runs": runs,
     }
     # a reference too big to hold whole (with its calibration twin) is read a layer at a time
     models = Models(stream=would_not_fit(ckpt, dtype, calibrate, "cpu"))
@@ -124,21 +125,21 @@ def record(reference: Path, out: Path, *, prompts: Prompts = Prompts(), dtype: s
         for k, inputs in enumerate(all_inputs):
             say(f"running the reference on input {k + 1} of {len(all_inputs)}")
             tensors, info = _capture(models, ckpt, inputs.ids, selected, dtype, calibrate, STORAGE[storage])
-            run = {"source": inputs.source, "ids": inputs.ids[0].tolist(), "points": info}
-            tokens = None
+            tokens, decoded = None, {}
             if decode and k == 0:  # a check decodes its first input
                 say(f"decoding {decode} tokens")
                 tokens = greedy(models, ckpt, inputs.ids, decode)
                 steps = uncached_steps(models, ckpt, inputs.ids, tokens, set(selected))
-                run["decode"] = {"tokens": tokens, "points": {}}
+                stepped = {}
                 for name in selected:
                     kept = steps[name].to(STORAGE[storage]).contiguous()
                     tensors[f"{dumps.DECODE}{name}"] = kept
-                    run["decode"]["points"][name] = {"shape": list(kept.shape),
-                                                     "storage_rel_l2": metrics(kept, steps[name])["rel_l2"]}
+                    stepped[name] = {"shape": list(kept.shape), "storage_rel_l2": metrics(kept, steps[name])["rel_l2"]}
+                decoded = {"decode": {"tokens": tokens, "points": stepped}}
             file = "activations.safetensors" if k == 0 else f"activations.{k}.safetensors"
             dumps.write_dump(tmp / file, tensors, inputs.ids, decode_tokens=tokens)
-            description["runs"].append({**run, "file": file})
+            runs.append({"source": inputs.source, "ids": inputs.ids[0].tolist(), "points": info, **decoded,
+                         "file": file})
         (tmp / DESCRIPTION).write_text(json.dumps(description, indent=1) + "\n")
     return open_golden(Path(out), adapter_dirs)
 

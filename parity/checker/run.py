@@ -115,13 +115,14 @@ def _quantization_cost(reference: Path, candidate, options: CheckOptions, judgin
 def run(plan: Plan, *, progress: Callable[[str], None] | None = None,
         on_layer: Callable[[str, int, int], None] | None = None) -> Report:
     say = progress or (lambda message: None)
-    if plan.stream_chosen:
+    if plan.placement.chosen:
         say("the models do not fit in memory: streaming their weights a layer at a time")
     report = _new_report(plan)
     if plan.wrong_input is not None:
         return _wrong_input(plan, report)
-    models = Models(plan.adapter_dirs, stream=plan.stream, device=plan.device,
-                    candidate_device=plan.candidate_device)
+    where = plan.placement
+    models = Models(plan.adapter_dirs, stream=where.stream, device=where.device,
+                    candidate_device=where.candidate_device)
     quantized = _quantization_weights(plan, models, report, say) if plan.quantized_noise else None
     stepped = None
     if plan.decode:  # the reference's decode steps first: then it can be dropped before the candidate is loaded
@@ -158,7 +159,7 @@ def run(plan: Plan, *, progress: Callable[[str], None] | None = None,
 
 
 def _new_report(plan: Plan) -> Report:
-    report = Report(family=plan.checkpoint.resolved.family, reference=plan.reference.describe(),
+    report = Report(family=plan.checkpoint.resolved.family, reference=_reference_entry(plan),
                     candidate=plan.candidate.describe(), dtype=plan.dtype,
                     mode="isolated" if plan.isolate else "free", layerwise=plan.layerwise, calibrated=plan.calibrate)
     if not plan.span.whole:
@@ -171,14 +172,20 @@ def _new_report(plan: Plan) -> Report:
         report.warnings.append(f"family unknown: {r.family} has no adapter, so its structure was discovered from "
                                f"{found.get('from', 'transformers')} and only its capture points are compared; not "
                                f"checked: {'; '.join(r.adapter.unknown)}; no diagnosis beyond the first divergence")
+    return report
+
+
+def _reference_entry(plan: Plan) -> dict:
+    """The report's reference entry: the side's own, and how it was fed and its weights read where that differs."""
+    entry = plan.reference.describe()
     if plan.follows:  # isolated the other way round: the candidate cannot be fed
-        report.reference["fed"] = "the candidate's input to each layer"
+        entry = {**entry, "fed": "the candidate's input to each layer"}
     q = plan.checkpoint.quantization
     if not plan.reference.stored and q is not None:  # an FP8 reference runs on its dequantized weights
-        report.reference["quantization"] = {**q.to_json(), "dequantized_to": "float32",
-                                            "dequantized_by": "parity, a layer at a time" if plan.stream
-                                            else "transformers"}
-    return report
+        entry = {**entry, "quantization": {**q.to_json(), "dequantized_to": "float32",
+                                           "dequantized_by": "parity, a layer at a time" if plan.placement.stream
+                                           else "transformers"}}
+    return entry
 
 
 def _wrong_input(plan: Plan, report: Report) -> Report:
@@ -207,9 +214,9 @@ def _decode(plan: Plan, models: Models, stepped, report: Report, say: Callable[[
 
     decoded = compare_steps(plan, models, stepped, plan.inputs[0].ids, say)
     report.points += decoded.points
-    report.decode = decoded.summary
+    report.decode = decoded.summary.to_json()
     report.warnings += [f"decoding does not reach the {c['what']} ({c['at']} tokens): use a larger --decode or a "
-                        f"shorter prompt" for c in decoded.summary["crossed"] if c["crossed"] is None]
+                        f"shorter prompt" for c in decoded.summary.crossed if c["crossed"] is None]
     return decoded
 
 
@@ -227,7 +234,7 @@ def _diagnose(plan: Plan, report: Report, kept_by_run: dict[int, dict], decoded,
 
         say("diagnosing")
         report.diagnosis = diagnose_decode(plan.weights, decoded.kept, plan.inputs[0].ids,
-                                           decoded.summary["tokens"], plan.low, adapter_dirs=plan.adapter_dirs)
+                                           decoded.summary.tokens, plan.low, adapter_dirs=plan.adapter_dirs)
     elif first.name in kept.get("candidate", {}):
         from parity.diagnosis.diagnose import diagnose
 
@@ -262,7 +269,7 @@ def _generate(plan: Plan, models: Models, report: Report) -> None:
     reference_model = models.hf(ckpt, torch.float32)
     with torch.no_grad():
         reference = greedy(lambda seq: reference_model(input_ids=seq.to(first_device(reference_model,
-                                                                                    plan.device))).logits)
+                                                                                    plan.placement.device))).logits)
         produced = greedy(logits)
     first = next((k for k, (a, b) in enumerate(zip(reference, produced)) if a != b), None)
     gen = {"tokens": n, "reference": reference, "candidate": produced, "first_difference": first}
@@ -279,7 +286,7 @@ def _quantization_weights(plan: Plan, models: Models, report: Report,
     file's quantization does to the reference, the reference run on the file's own dequantized weights against
     the reference itself, so that tolerances (10x that noise) are measured on this model and this file. The
     same-weights reference is loaded whole, once; the checkpoint it was read from is returned."""
-    if plan.stream:
+    if plan.placement.stream:
         report.warnings.append("--calibrate: the models are streamed, so the quantization noise is not measured "
                                "(the same-weights reference would have to stay on disk); tolerances are the "
                                "reference's precision noise")
@@ -375,11 +382,12 @@ def _reordered(held: dict, report: Report) -> None:
     if not swapped or report:
         return
     listed = ", ".join(swapped[:2]) + (f" and {len(swapped) - 2} more" if len(swapped) > 2 else "")
-    named = {"bug": "rope-permuted", "confidence": 1.0, "residual": None,
+    bug = "rope-permuted"
+    named = {"bug": bug, "confidence": 1.0, "residual": None,
              "evidence": f"{len(swapped)} q/k tensors of the file ({listed}) hold the checkpoint's rows in the other "
                          f"RoPE order than the engine rotates: the converter permuted q/k for the wrong pairing "
                          f"(interleaved pairs against half-split, or the reverse)"}
-    report.diagnosis = [named] + [d for d in report.diagnosis if d.get("bug") not in ("unknown", named["bug"])]
+    report.diagnosis = [named] + [d for d in report.diagnosis if d.get("bug") not in ("unknown", bug)]
 
 
 def verify_golden(path: Path, reference: Path, *, adapter_dirs=(), progress: Callable[[str], None] | None = None,
@@ -405,10 +413,10 @@ def plain_forward(path: Path, ids: torch.Tensor, *, stream: bool, dtype: torch.d
             model = models.hf(open_checkpoint(Path(path), adapter_dirs, discover=discover), dtype)
             out = model(input_ids=ids.to(first_device(model, device)))
             return out.logits if getattr(out, "logits", None) is not None else out[0]
-        last: dict[str, torch.Tensor] = {}
+        emitted: list[torch.Tensor] = []
 
         def keep(name: str, t: torch.Tensor) -> None:  # the last point a model emits is its output
-            last["out"] = t
+            emitted[:] = [t]
 
         kind.make_runner(candidates.Candidate(models, Path(path), dtype, None), ids, None)(keep)
-    return last["out"]
+    return emitted[0]

@@ -16,6 +16,7 @@ candidate side through CandidateSide, which is all the check knows of kinds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -38,7 +39,7 @@ class TransformersSide:
     points = None  # every capture point of the adapter
 
     def __init__(self, path: Path, adapter_dirs=(), arithmetic=None):
-        """``arithmetic`` (parity.reference.arithmetic): run as that engine computes (a same-weights reference)."""
+        """``arithmetic`` (parity.engines.arithmetic): run as that engine computes (a same-weights reference)."""
         self.path = Path(path)
         self.checkpoint: Checkpoint = open_checkpoint(self.path, adapter_dirs, discover=discover)
         self.arithmetic = arithmetic
@@ -113,14 +114,14 @@ class GoldenSide:
         return self.golden.runner(k, points)
 
     def continuation(self, models: Models, k: int, ids: torch.Tensor, n: int) -> list[int]:
-        return self.golden.decode_steps(n, k)["tokens"][:n]
+        return self.golden.decode_steps(n, k).tokens[:n]
 
     def decode(self, models: Models, k: int, ids: torch.Tensor, tokens: list[int], points: set[str]):
         return self.golden.step_runner(k, len(tokens), points)
 
     def step_rounding(self, k: int, n: int) -> dict[str, float]:
         held = self.golden.decode_steps(n, k)
-        return {p: info["storage_rel_l2"] for p, info in held["points"].items()}
+        return {p: info.storage_rel_l2 for p, info in held.points.items()}
 
 
 def open_reference(path: Path, adapter_dirs=(), arithmetic=None):
@@ -161,7 +162,21 @@ class CandidateSide:
         return self.kind.make_decoder(self._candidate(models), ids, tokens)
 
 
-def kind_rows() -> list[dict]:
+@dataclass(frozen=True)
+class KindRow:
+    """A candidate kind as `parity engines` lists it."""
+
+    kind: str
+    named_as: list[str] | None   # KIND:PATH names of a kind taken only when named; None: found by its files
+    isolates: bool
+    decodes: bool
+    same_weights: bool
+    options: dict[str, str]      # --engine-option keys, with their help
+    installed: bool
+    install: str | None          # the extra that installs its engine, where it is not installed
+
+
+def kind_rows() -> list[KindRow]:
     """Every candidate kind as `parity engines` lists it: how it is taken, what it can do, its engine options, and
     whether its engine is installed here (and the extra that installs it where not)."""
     import importlib.util
@@ -169,11 +184,11 @@ def kind_rows() -> list[dict]:
     rows = []
     for kind in candidates.kinds().values():
         installed = kind.requires is None or importlib.util.find_spec(kind.requires[0]) is not None
-        rows.append({"kind": kind.name, "named_as": [kind.name, *kind.aliases] if kind.explicit else None,
-                     "isolates": kind.isolates, "decodes": kind.make_decoder is not None,
-                     "same_weights": kind.same_weights is not None, "options": dict(kind.engine_options),
-                     "installed": installed,
-                     "install": None if installed else f"pip install 'parity[{kind.requires[1]}]'"})
+        rows.append(KindRow(kind=kind.name, named_as=[kind.name, *kind.aliases] if kind.explicit else None,
+                            isolates=kind.isolates, decodes=kind.make_decoder is not None,
+                            same_weights=kind.same_weights is not None, options=dict(kind.engine_options),
+                            installed=installed,
+                            install=None if installed else f"pip install 'parity[{kind.requires[1]}]'"))
     return rows
 
 

@@ -26,7 +26,7 @@ from parity.adapter import (
 from parity.errors import ParityError
 from parity.storage.jsonfile import read_json
 from parity.storage.quantization import FP8_DTYPES, BlockFP8, read_quantization, scale_name, scale_shape
-from parity.storage.shards import read_header
+from parity.storage.shards import plain_file_name, read_header
 
 # (config, its file's name) -> a generated adapter, or None (parity.reference.structure.discover)
 Discover = Callable[[dict, str], Optional[Adapter]]
@@ -133,11 +133,6 @@ def read_index(directory: Path) -> dict[str, str] | None:
         raise ParityError(f"{index}: shard names must be file names in the checkpoint directory, not paths: "
                           f"{', '.join(map(repr, odd[:3]))}; {fix}")
     return weight_map
-
-
-def plain_file_name(name: str) -> bool:
-    """A bare file name: no directory part, no parent reference, nothing absolute."""
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def inside(path: Path, directory: Path) -> bool:
@@ -351,7 +346,8 @@ def open_checkpoint(path: Path, adapter_dirs=(), *, adapters: dict[str, Adapter]
     tensors = inventory(files)
     if files:
         check_index(path, tensors)
-    return Checkpoint(path, cfg_path, config, adapter, variant, resolved, files, tensors, quantization)
+    return Checkpoint(path=path, config_path=cfg_path, config=config, adapter=adapter, variant=variant,
+                      resolved=resolved, files=files, tensors=tensors, quantization=quantization)
 
 
 def refuse_mismatched(ckpt: Checkpoint, role: str) -> None:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from parity.adapter import Resolved, ResolvedBuffer, rope_settings
+from parity.adapter import Resolved, ResolvedBuffer
+from parity.adapter.declared import Source, fill
 from parity.checkpoint import Checkpoint, TensorCheck
+from parity.neutral.model import Rope
+from parity.rope import inv_freq
 
 # How far a saved inv_freq may sit from the one the config implies: float32 buffers were computed as parity
 # computes them (a few ulps apart); 16-bit ones were rounded once (bf16 keeps 8 bits: 2 ** -8 relative).
@@ -21,35 +24,35 @@ INV_FREQ_TOLERANCE_16BIT = 1e-2
 def _inv_freq_verdict(r: Resolved, buffer: ResolvedBuffer, saved, dtype: str) -> tuple[bool, str]:
     """Whether a saved RoPE inv_freq agrees with the RoPE the config gives its layer (any layer, for a
     model-level buffer), and what it says otherwise."""
-    from parity.rope import inv_freq
     layers = [buffer.layer] if buffer.layer is not None else range(r.num_layers)
-    ropes = [rope for rope in (rope_settings(r, i, "half") for i in layers) if rope is not None]
+    ropes = [rope for rope in (fill(Rope, Source(r, i, {"rope_style": "half"})) for i in layers)
+             if rope is not None]
     saved = saved.double().flatten()
     tolerance = INV_FREQ_TOLERANCE.get(dtype, INV_FREQ_TOLERANCE_16BIT)
-    closest: tuple[float, dict] | None = None
+    closest: tuple[float, Rope] | None = None
     for rope in ropes:
         for scaled in (True, False):  # buffers saved before rope_scaling existed hold the unscaled frequencies
-            want, _ = inv_freq(rope if scaled else {**rope, "scaling": None})
+            want, _ = inv_freq(rope if scaled else rope.model_copy(update={"scaling": None}))
             if want.numel() != saved.numel():
                 continue
             error = float(((saved - want.double()).abs() / want.double().abs().clamp_min(1e-30)).max())
             if error <= tolerance:
-                how = "" if scaled or not rope.get("scaling") else " (unscaled: rope_scaling is applied on top)"
-                return True, f"agrees with rope_theta {rope['theta']:g}{how}"
+                how = "" if scaled or not rope.scaling else " (unscaled: rope_scaling is applied on top)"
+                return True, f"agrees with rope_theta {rope.theta:g}{how}"
             if closest is None or error < closest[0]:
                 closest = (error, rope)
     if not ropes:
         return False, "the config gives this model no RoPE"
     if closest is None:
-        dims = sorted({rope["rotary_dim"] // 2 for rope in ropes})
+        dims = sorted({rope.rotary_dim // 2 for rope in ropes})
         return False, (f"holds {saved.numel()} frequencies; the config implies {' or '.join(map(str, dims))} "
                        f"(rotary_dim / 2): a head_dim or partial_rotary_factor mismatch")
     error, rope = closest
     implied = ""
     if saved.numel() > 1 and float(saved[1]) > 0:  # inv_freq[1] = theta ** (-2 / rotary_dim)
-        implied = f"implies rope_theta ~ {float(saved[1]) ** (-rope['rotary_dim'] / 2):.6g}, "
-    return False, (f"disagrees with the config: {implied}config rope_theta {rope['theta']:g}"
-                   f"{', scaling ' + str(rope['scaling'].get('rope_type')) if rope.get('scaling') else ''} "
+        implied = f"implies rope_theta ~ {float(saved[1]) ** (-rope.rotary_dim / 2):.6g}, "
+    return False, (f"disagrees with the config: {implied}config rope_theta {rope.theta:g}"
+                   f"{', scaling ' + str(rope.scaling.get('rope_type')) if rope.scaling else ''} "
                    f"(max relative difference {error:.3g}); a port that reads this buffer computes other positions")
 
 

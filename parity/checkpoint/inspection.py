@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from rich import box
@@ -21,6 +22,7 @@ PLACEMENTS = {
     "sublayer_output": "norm on sublayer output",
 }
 WEIGHTS = {"weight": "w", "one_plus_weight": "1 + w"}
+NORM_SETTINGS = ("norm.kind", "norm.eps", "norm.weight", "norm.bias", "norm.placement")  # the census's summary
 
 
 def _parallel(r: Resolved) -> bool:
@@ -68,103 +70,177 @@ def format_setting(setting: Setting) -> str:
     return "; ".join(f"{format_value(v)} (layers {_ranges(idx)})" for v, idx in groups)
 
 
-def _layer_norm_summary(r: Resolved, i: int) -> dict:
+@dataclass(frozen=True)
+class LayerNorms:
+    """One layer's norms, as the census counts them."""
+
+    block: int
+    attention: list[str]  # the attention norms' names (q, k, ...)
+    mla: int
+    moe: int
+    per_layer_input: int
+    total: int
+    summary: str
+    extra: str            # reported apart from the block and attention norms (docs/design.md, "Conventions")
+
+
+@dataclass(frozen=True)
+class NormPattern:
+    """Layers whose norms are alike."""
+
+    layers: str           # '0-2, 5'
+    norms: LayerNorms
+
+    def to_json(self) -> dict:
+        return {"layers": self.layers, **asdict(self.norms)}
+
+
+@dataclass(frozen=True)
+class Summary:
+    norm: str
+    eps: Any
+    weight: str
+    placement: str
+    norms_per_layer: str
+
+
+@dataclass(frozen=True)
+class NormCensus:
+    count: int
+    kind: list[str]
+    parameters: int
+    share: float          # of the model's parameters
+    groups: dict[str, int]
+    weightless: int
+    per_layer: list[NormPattern]
+
+    def to_json(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "per_layer": [p.to_json() for p in self.per_layer]}
+
+
+@dataclass(frozen=True)
+class WeightsFound:
+    """The checkpoint's tensors against the adapter's map."""
+
+    files: list[str]
+    tensors: int
+    dtypes: dict[str, int]
+    prefix: str
+    accounted_for: bool
+    missing: list[str]
+    unexpected: list[str]
+    wrong_shape: list[str]
+    ignored: int
+    scales: int
+    legacy_names: list[str]
+    buffers: list[dict]   # parity.checkpoint.buffers.check_buffers
+
+    def problems(self) -> str:
+        parts = []
+        for key in ("missing", "unexpected", "wrong_shape"):
+            names = getattr(self, key)
+            if names:
+                parts.append(f"{key.replace('_', ' ')} ({len(names)}): {', '.join(names[:20])}"
+                             + (" ..." if len(names) > 20 else ""))
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """Everything ``inspect`` shows; ``to_json`` is ``inspect --json``."""
+
+    path: str
+    family: str
+    adapter: str
+    architecture: str | None
+    model_type: str | None
+    text_config: Any
+    layers: int
+    conventions: dict[str, dict[str, dict]]
+    summary: Summary
+    norms: NormCensus
+    parameters: int
+    capture_points: list[str]
+    weights: WeightsFound | None  # None: a bare config
+    quantization: dict | None
+
+    def to_json(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "summary": asdict(self.summary),
+                "norms": self.norms.to_json(), "weights": None if self.weights is None else asdict(self.weights)}
+
+
+def _layer_norms(r: Resolved, i: int) -> LayerNorms:
     mine = [n for n in r.norms if n.layer == i]
-    counts = Counter(n.group for n in mine)
+    block, mla, moe, per_layer_input = (sum(1 for n in mine if n.group == group)
+                                        for group in ("block", "mla", "moe", "per_layer_input"))
     attention = [n.neutral.rsplit(".", 1)[-1].removesuffix("_norm") for n in mine if n.group == "attention"]
-    text = str(counts["block"])
+    text = str(block)
     if attention:
         text += f" + {'/'.join(attention)} norm"
-    if counts["mla"]:
-        text += f" + {counts['mla']} inside MLA"
-    extra = []  # reported apart from the block and attention norms (docs/design.md, "Conventions": its column)
-    for group, label in (("moe", "MoE"), ("per_layer_input", "per-layer-input")):
-        if counts[group]:
+    if mla:
+        text += f" + {mla} inside MLA"
+    extra = []
+    for group, count, label in (("moe", moe, "MoE"), ("per_layer_input", per_layer_input, "per-layer-input")):
+        if count:
             weightless = sum(1 for n in mine if n.group == group and not n.has_weight)
-            extra.append(f"{counts[group]} {label} norm{'s' if counts[group] > 1 else ''}"
+            extra.append(f"{count} {label} norm{'s' if count > 1 else ''}"
                          + (f" ({weightless} weightless)" if weightless else ""))
-    return {"block": counts["block"], "attention": attention, "mla": counts["mla"], "moe": counts["moe"],
-            "per_layer_input": counts["per_layer_input"], "total": len(mine), "summary": text,
-            "extra": ", ".join(extra)}
+    return LayerNorms(block=block, attention=attention, mla=mla, moe=moe, per_layer_input=per_layer_input,
+                      total=len(mine), summary=text, extra=", ".join(extra))
 
 
-def report(ckpt: Checkpoint) -> dict:
-    """Everything ``inspect`` shows, as plain JSON-able data."""
+def report(ckpt: Checkpoint) -> Inspection:
+    """Everything ``inspect`` shows."""
     r = ckpt.resolved
     total = sum(t.numel for t in r.tensors)
     norm_params = sum(n.params for n in r.norms)
-    per_layer = [_layer_norm_summary(r, i) for i in range(r.num_layers)]
-    patterns = [{"layers": _ranges(idx), **s} for s, idx in _by_value(per_layer)]
-    kinds = {NORM_KINDS[r["norm.kind"]]}
-    out: dict[str, Any] = {
-        "path": str(ckpt.path),
-        "family": r.family,
-        "adapter": str(ckpt.adapter.path),
-        "architecture": (ckpt.config.get("architectures") or [None])[0],
-        "model_type": ckpt.config.get("model_type"),
-        "text_config": ckpt.variant.text_config,
-        "layers": r.num_layers,
-        "conventions": {
-            section: {key.split(".", 1)[1]: {"value": s.value, "source": s.source, "per_layer": s.per_layer}
-                      for key, s in r.settings.items() if key.startswith(section + ".")}
-            for section in SECTIONS
-        },
-        "summary": {
-            "norm": NORM_KINDS[r["norm.kind"]],
-            "eps": r["norm.eps"],
-            "weight": WEIGHTS[r["norm.weight"]] + (", with bias" if r["norm.bias"] else ""),
-            "placement": PLACEMENTS[r["norm.placement"]] + (", parallel" if _parallel(r) else ""),
-            "norms_per_layer": " / ".join(p["summary"] for p in patterns),
-        },
-        "norms": {
-            "count": len(r.norms),
-            "kind": sorted(kinds),
-            "parameters": norm_params,
-            "share": norm_params / total if total else 0.0,
-            "groups": dict(Counter(n.group for n in r.norms)),
-            "weightless": sum(1 for n in r.norms if not n.has_weight),
-            "per_layer": patterns,
-        },
-        "parameters": total,
-        "capture_points": [c.name for c in r.capture],
-        "weights": None,
-        "quantization": None if ckpt.quantization is None else ckpt.quantization.to_json(),
-    }
-    if ckpt.has_weights:
-        check = ckpt.check()
-        out["weights"] = {
-            "files": [f.name for f in ckpt.files],
-            "tensors": len(ckpt.tensors),
-            "dtypes": dict(Counter(t.dtype for t in ckpt.tensors.values())),
-            "prefix": check.prefix,
-            "accounted_for": check.ok,
-            "missing": check.missing,
-            "unexpected": check.unexpected,
-            "wrong_shape": check.wrong_shape,
-            "ignored": len(check.ignored),
-            "scales": len(check.scales),
-            "legacy_names": sorted(stored for name, stored in check.stored.items() if stored != name),
-            "buffers": check_buffers(ckpt, check),
-        }
-    return out
+    patterns = [NormPattern(_ranges(idx), norms)
+                for norms, idx in _by_value([_layer_norms(r, i) for i in range(r.num_layers)])]
+    norm_kind, eps, weight, bias, placement = (r[key] for key in NORM_SETTINGS)
+    summary = Summary(norm=NORM_KINDS[norm_kind], eps=eps, weight=WEIGHTS[weight] + (", with bias" if bias else ""),
+                      placement=PLACEMENTS[placement] + (", parallel" if _parallel(r) else ""),
+                      norms_per_layer=" / ".join(p.norms.summary for p in patterns))
+    census = NormCensus(count=len(r.norms), kind=[NORM_KINDS[norm_kind]], parameters=norm_params,
+                        share=norm_params / total if total else 0.0, groups=dict(Counter(n.group for n in r.norms)),
+                        weightless=sum(1 for n in r.norms if not n.has_weight), per_layer=patterns)
+    return Inspection(
+        path=str(ckpt.path), family=r.family, adapter=str(ckpt.adapter.path),
+        architecture=(ckpt.config.get("architectures") or [None])[0], model_type=ckpt.config.get("model_type"),
+        text_config=ckpt.variant.text_config, layers=r.num_layers,
+        conventions={section: {key.split(".", 1)[1]: {"value": s.value, "source": s.source, "per_layer": s.per_layer}
+                               for key, s in r.settings.items() if key.startswith(section + ".")}
+                     for section in SECTIONS},
+        summary=summary, norms=census, parameters=total, capture_points=[c.name for c in r.capture],
+        weights=_weights(ckpt) if ckpt.has_weights else None,
+        quantization=None if ckpt.quantization is None else ckpt.quantization.to_json())
 
 
-def render(data: dict, ckpt: Checkpoint, console: Console) -> None:
+def _weights(ckpt: Checkpoint) -> WeightsFound:
+    check = ckpt.check()
+    return WeightsFound(files=[f.name for f in ckpt.files], tensors=len(ckpt.tensors),
+                        dtypes=dict(Counter(t.dtype for t in ckpt.tensors.values())), prefix=check.prefix,
+                        accounted_for=check.ok, missing=check.missing, unexpected=check.unexpected,
+                        wrong_shape=check.wrong_shape, ignored=len(check.ignored), scales=len(check.scales),
+                        legacy_names=sorted(stored for name, stored in check.stored.items() if stored != name),
+                        buffers=check_buffers(ckpt, check))
+
+
+def render(found: Inspection, ckpt: Checkpoint, console: Console) -> None:
     r = ckpt.resolved
-    s = data["summary"]
-    console.print(f"[bold]{data['family']}[/bold]  {data['architecture']} (model_type {data['model_type']})")
-    console.print(f"adapter {data['adapter']}", soft_wrap=True)
-    console.print(f"{data['layers']} layers, {data['parameters']:,} parameters")
-    console.print(f"norm: {s['norm']}, eps {format_value(s['eps'])}; weight {s['weight']}; {s['placement']}; "
-                  f"norms per layer: {s['norms_per_layer']}")
-    n = data["norms"]
-    console.print(f"[bold]{n['count']:,} {'/'.join(n['kind'])}s[/bold] holding [bold]{n['parameters']:,}[/bold] "
-                  f"parameters, [bold]{n['share'] * 100:.3f}%[/bold] of the model"
-                  + (f" ({n['weightless']} weightless)" if n["weightless"] else ""))
-    for p in n["per_layer"]:
-        extra = f"; plus {p['extra']}" if p["extra"] else ""
-        console.print(f"  layers {p['layers']}: {p['summary']}{extra}")
-    for group, count in n["groups"].items():
+    s, n = found.summary, found.norms
+    console.print(f"[bold]{found.family}[/bold]  {found.architecture} (model_type {found.model_type})")
+    console.print(f"adapter {found.adapter}", soft_wrap=True)
+    console.print(f"{found.layers} layers, {found.parameters:,} parameters")
+    console.print(f"norm: {s.norm}, eps {format_value(s.eps)}; weight {s.weight}; {s.placement}; "
+                  f"norms per layer: {s.norms_per_layer}")
+    console.print(f"[bold]{n.count:,} {'/'.join(n.kind)}s[/bold] holding [bold]{n.parameters:,}[/bold] "
+                  f"parameters, [bold]{n.share * 100:.3f}%[/bold] of the model"
+                  + (f" ({n.weightless} weightless)" if n.weightless else ""))
+    for p in n.per_layer:
+        extra = f"; plus {p.norms.extra}" if p.norms.extra else ""
+        console.print(f"  layers {p.layers}: {p.norms.summary}{extra}")
+    for group, count in n.groups.items():
         if group not in ("block", "attention"):
             console.print(f"  {group}: {count}")
 
@@ -176,31 +252,31 @@ def render(data: dict, ckpt: Checkpoint, console: Console) -> None:
         table.add_row(key, format_setting(setting), setting.source)
     console.print(table)
 
-    w = data["weights"]
+    w = found.weights
     if w is None:
         console.print("weights: none (config only)")
         return
-    notes = [f"{w['ignored']} deliberately ignored"] if w["ignored"] else []
-    if w["buffers"]:
-        notes.append(f"{len(w['buffers'])} saved buffers")
-    if w["scales"]:
-        notes.append(f"{w['scales']} FP8 block scales")
-    if w["legacy_names"]:
-        notes.append(f"{len(w['legacy_names'])} under legacy names")
-    dtypes = ", ".join(f"{n} {d}" for d, n in w["dtypes"].items())
-    if w["accounted_for"]:
-        console.print(f"weights: {len(w['files'])} file(s), {w['tensors']} tensors ({dtypes}), every one accounted for"
+    notes = [f"{w.ignored} deliberately ignored"] if w.ignored else []
+    if w.buffers:
+        notes.append(f"{len(w.buffers)} saved buffers")
+    if w.scales:
+        notes.append(f"{w.scales} FP8 block scales")
+    if w.legacy_names:
+        notes.append(f"{len(w.legacy_names)} under legacy names")
+    dtypes = ", ".join(f"{n} {d}" for d, n in w.dtypes.items())
+    if w.accounted_for:
+        console.print(f"weights: {len(w.files)} file(s), {w.tensors} tensors ({dtypes}), every one accounted for"
                       + (f" ({'; '.join(notes)})" if notes else ""))
     else:
-        console.print(f"[red]weights: {len(w['files'])} file(s), {w['tensors']} tensors do not match the "
-                      f"adapter[/red]: {check_problems(w)}")
-    if data["quantization"] is not None:
-        console.print(f"quantization: {ckpt.quantization.describe()}; {w['scales']} weights stored in FP8 with block "
+        console.print(f"[red]weights: {len(w.files)} file(s), {w.tensors} tensors do not match the "
+                      f"adapter[/red]: {w.problems()}")
+    if found.quantization is not None:
+        console.print(f"quantization: {ckpt.quantization.describe()}; {w.scales} weights stored in FP8 with block "
                       f"scales (convert and check dequantize them, in float32)")
-    if w["legacy_names"]:
-        console.print(f"legacy names (renamed as transformers does on load): {', '.join(w['legacy_names'][:6])}"
-                      + (" ..." if len(w["legacy_names"]) > 6 else ""))
-    render_buffers(w["buffers"], console)
+    if w.legacy_names:
+        console.print(f"legacy names (renamed as transformers does on load): {', '.join(w.legacy_names[:6])}"
+                      + (" ..." if len(w.legacy_names) > 6 else ""))
+    render_buffers(w.buffers, console)
 
 
 def render_buffers(buffers: list[dict], console: Console) -> None:
@@ -219,15 +295,6 @@ def render_buffers(buffers: list[dict], console: Console) -> None:
             console.print(f"  [red]{b['kind']} {b['name']}: {b['note']}[/red]", soft_wrap=True)
 
 
-def check_problems(w: dict) -> str:
-    parts = []
-    for key in ("missing", "unexpected", "wrong_shape"):
-        if w[key]:
-            parts.append(f"{key.replace('_', ' ')} ({len(w[key])}): {', '.join(w[key][:20])}"
-                         + (" ..." if len(w[key]) > 20 else ""))
-    return "; ".join(parts)
-
-
 def describe_family(spec) -> dict:
     """A family's conventions as the adapter states them (no config): for ``parity adapters``."""
 
@@ -242,15 +309,8 @@ def describe_family(spec) -> dict:
     def label(value: Any, labels: dict) -> str:
         return labels.get(value, show(value)) if isinstance(value, str) else show(value)
 
-    row = {
-        "family": spec.family,
-        "architectures": ", ".join(a for v in spec.variants for a in v.architectures),
-        "norm": label(spec.norm.kind, NORM_KINDS),
-        "weight": label(spec.norm.weight, WEIGHTS),
-        "placement": label(spec.norm.placement, PLACEMENTS),
-    }
     other = []
-    for label, value, absent in (
+    for what, value, absent in (
         ("qk-norm", spec.attention.qk_norm, "none"), ("v-norm", spec.attention.v_norm, "none"),
         ("attn softcap", spec.attention.softcap, False), ("final softcap", spec.embedding.final_softcap, False),
         ("sliding window", spec.attention.sliding_window, False), ("embed scale", spec.embedding.scale, 1.0),
@@ -259,6 +319,12 @@ def describe_family(spec) -> dict:
         ("parallel residual", spec.mlp.parallel, False),
     ):
         if value != absent:
-            other.append(f"{label} {show(value)}")
-    row["other"] = "; ".join(other)
-    return row
+            other.append(f"{what} {show(value)}")
+    return {
+        "family": spec.family,
+        "architectures": ", ".join(a for v in spec.variants for a in v.architectures),
+        "norm": label(spec.norm.kind, NORM_KINDS),
+        "weight": label(spec.norm.weight, WEIGHTS),
+        "placement": label(spec.norm.placement, PLACEMENTS),
+        "other": "; ".join(other),
+    }

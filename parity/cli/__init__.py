@@ -12,6 +12,7 @@ signals.install()
 try:  # an interrupt while the imports run ends like one during a command
     import json
     import tempfile
+    from dataclasses import asdict, dataclass
     from pathlib import Path
 
     import click
@@ -103,15 +104,17 @@ def _inspect(path: Path, adapter_dirs, as_json: bool) -> None:
     from parity.checkpoint.inspection import render, report
 
     ckpt = open_checkpoint(path, adapter_dirs)
-    data = report(ckpt)
+    found = report(ckpt)
     if as_json:
-        click.echo(json.dumps(data, indent=2, default=str))
+        click.echo(json.dumps(found.to_json(), indent=2, default=str))
     else:
-        render(data, ckpt, Console())
-    w = data["weights"]
-    if w is not None and not w["accounted_for"]:  # the report is shown, and a gate on inspect sees damage
-        raise ParityError(f"{path}: its tensors do not match the {data['family']} adapter "
-                          f"({', '.join(f'{len(w[k])} {k}'.replace('_', ' ') for k in ('missing', 'unexpected', 'wrong_shape') if w[k])}); "
+        render(found, ckpt, Console())
+    w = found.weights
+    if w is not None and not w.accounted_for:  # the report is shown, and a gate on inspect sees damage
+        wrong = ((len(names), kind) for kind, names in (("missing", w.missing), ("unexpected", w.unexpected),
+                                                        ("wrong shape", w.wrong_shape)) if names)
+        raise ParityError(f"{path}: its tensors do not match the {found.family} adapter "
+                          f"({', '.join(f'{n} {kind}' for n, kind in wrong)}); "
                           f"check that config.json belongs to these weights")
 
 
@@ -199,21 +202,21 @@ def convert_cmd(model_dir, target, out, force, adapter_dirs, **formats):
       parity convert ./gemma-2-9b --to onnx -o gemma-2-9b.onnx --dtype float16 --debug-outputs
     """
     _refuse_other_formats(target, formats)
-    dtype, inject, onnx_quant = formats["dtype"], formats["inject"], formats["onnx_quant"]
+    f = Formats(**formats)
+    dtype, inject, onnx_quant = f.dtype, f.inject, f.onnx_quant
     if target == "gguf":
-        from parity.ports.gguf.export import export as to_gguf
+        from parity.engines.gguf.export import export as to_gguf
 
-        done = to_gguf(model_dir, out, qtype=formats["gguf_type"], force=force, adapter_dirs=adapter_dirs,
-                       inject=inject)
+        done = to_gguf(model_dir, out, qtype=f.gguf_type, force=force, adapter_dirs=adapter_dirs, inject=inject)
         click.echo(f"wrote {out}: llama.cpp architecture {done['arch']}, {len(done['tensors'])} tensors, "
                    f"{done['family']}; {done['summary']}")
         return
     if target == "onnx":
-        from parity.ports.onnx.export import export
+        from parity.engines.onnx.export import export
 
-        graph = {k: formats[k] for k in ("debug_outputs", "op_outputs", "opset", "kv_cache")}
+        graph = dict(debug_outputs=f.debug_outputs, op_outputs=f.op_outputs, opset=f.opset, kv_cache=f.kv_cache)
         if onnx_quant:
-            from parity.ports.onnx.quantize import quantize
+            from parity.engines.onnx.quantize import quantize
 
             done = quantize(model_dir, out, onnx_quant, dtype=dtype, force=force, adapter_dirs=adapter_dirs,
                             inject=inject, **graph)
@@ -227,10 +230,25 @@ def convert_cmd(model_dir, target, out, force, adapter_dirs, **formats):
         return
     from parity.neutral.converter import convert
 
-    manifest = convert(model_dir, out, dtype=dtype, rope_style=formats["rope_style"], force=force,
+    manifest = convert(model_dir, out, dtype=dtype, rope_style=f.rope_style, force=force,
                        adapter_dirs=adapter_dirs)
     click.echo(f"wrote {out}: {len(manifest['tensors'])} tensors in {len(manifest['files'])} file(s), "
                f"{manifest['dtype']}, {manifest['source']['family']}")
+
+
+@dataclass(frozen=True)
+class Formats:
+    """convert's options for one output format or another (FORMAT_OPTIONS: which)."""
+
+    dtype: str | None
+    rope_style: str | None
+    debug_outputs: bool
+    op_outputs: bool
+    opset: int | None
+    kv_cache: bool
+    inject: str | None
+    gguf_type: str
+    onnx_quant: str | None
 
 
 # The options each --to takes (the rest are refused with the reason): one line per output format
@@ -280,10 +298,10 @@ def run_cmd(path, prompt, ids, top_k, dtype):
 
     manifest, tensors = load(path)
     tokenizer = _tokenizer(path)
-    token_ids = _parse_ids(ids, prompt, tokenizer, manifest["vocab_size"])
+    token_ids = _parse_ids(ids, prompt, tokenizer, manifest.vocab_size)
     model = NeutralModel(manifest, tensors, getattr(torch, dtype) if dtype else None)
     out = model(torch.tensor([token_ids]))
-    if manifest["head"] is None:
+    if manifest.head is None:
         click.echo(f"last hidden state {tuple(out.shape)}; this model has no LM head")
         return
     probs = torch.softmax(out[0, -1].float(), dim=-1)
@@ -406,20 +424,34 @@ def bugs_cmd(as_json):
     from parity.dumps import mistakes
 
     families = bugs.families()
-    rows = [{"id": b.id, "kind": "convention", "mistake": b.mistake, "families": families[b.id], "shows": b.shows,
-             "seen_in": b.seen_in, "first_op": b.op, "also_at": list(b.also)} for b in bugs.CATALOG]
-    rows += [{"id": m.id, "kind": "input", "mistake": m.mistake, "families": ["all"], "shows": mistakes.SHOWS,
-              "seen_in": m.seen_in, "first_op": None, "also_at": []} for m in mistakes.MISTAKES]
+    rows = [CatalogEntry(id=b.id, kind="convention", mistake=b.mistake, families=families[b.id], shows=b.shows,
+                         seen_in=b.seen_in, first_op=b.op, also_at=list(b.also)) for b in bugs.CATALOG]
+    rows += [CatalogEntry(id=m.id, kind="input", mistake=m.mistake, families=["all"], shows=mistakes.SHOWS,
+                          seen_in=m.seen_in, first_op=None, also_at=[]) for m in mistakes.MISTAKES]
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps([asdict(r) for r in rows], indent=2))
         return
     table = Table(box=None, show_lines=False)
     for col in ("id", "mistake", "families", "shows", "first op"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        table.add_row(r["id"], r["mistake"], ", ".join(r["families"]), r["shows"],
-                      " or ".join([r["first_op"], *r["also_at"]]) if r["first_op"] else "-")
+        table.add_row(r.id, r.mistake, ", ".join(r.families), r.shows,
+                      " or ".join([r.first_op, *r.also_at]) if r.first_op else "-")
     console_for_output().print(table)
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """A row of `parity bugs`: a convention mistake (parity.diagnosis.bugs) or an input one (parity.dumps.mistakes)."""
+
+    id: str
+    kind: str               # "convention" or "input"
+    mistake: str
+    families: list[str]
+    shows: str
+    seen_in: str
+    first_op: str | None    # the op a drill-down finds it at first (None: outside the layers, or an input mistake)
+    also_at: list[str]
 
 
 @cli.command("engines", context_settings=CONTEXT)
@@ -431,16 +463,16 @@ def engines_cmd(as_json):
 
     rows = kind_rows()
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps([asdict(r) for r in rows], indent=2))
         return
     table = Table(box=None, show_lines=False)
     for col in ("kind", "taken", "isolates", "decodes", "same weights", "options", "installed"):
         table.add_column(col, overflow="fold")
     yes = lambda b: "yes" if b else "no"  # noqa: E731
     for r in rows:
-        table.add_row(r["kind"], f"{r['named_as'][0]}:PATH" if r["named_as"] else "by its files", yes(r["isolates"]),
-                      yes(r["decodes"]), yes(r["same_weights"]), ", ".join(f"{k}: {v}" for k, v in r["options"].items()),
-                      "yes" if r["installed"] else r["install"])
+        table.add_row(r.kind, f"{r.named_as[0]}:PATH" if r.named_as else "by its files", yes(r.isolates),
+                      yes(r.decodes), yes(r.same_weights), ", ".join(f"{k}: {v}" for k, v in r.options.items()),
+                      "yes" if r.installed else r.install)
     console_for_output().print(table)
 
 
@@ -477,7 +509,7 @@ def selftest_cmd(families, dtype, md_path):
     console.print(selftest.markdown(rows).splitlines()[-1], soft_wrap=True)
     if md_path:
         md_path.write_text(selftest.markdown(rows) + "\n")
-    good = t["detected"] == t["pairs"] and t["false_alarms"] == 0 and t["diagnosed_wrong"] == 0
+    good = t.detected == t.pairs and t.false_alarms == 0 and t.diagnosed_wrong == 0
     sys.exit(0 if good else 1)
 
 

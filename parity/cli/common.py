@@ -140,23 +140,24 @@ def _click_option(f):
     """The click option a CheckOptions field declares in its metadata."""
     m = f.metadata
     flag = f"{m['flag']}/{m['secondary']}" if m.get("secondary") else m["flag"]
-    kw = {"help": m["help"], "default": f.default}
-    if m.get("is_flag"):
-        kw["is_flag"] = True
-    if m.get("multiple"):
-        kw["multiple"] = True
-    if m.get("choices"):
-        kw["type"] = click.Choice(list(m["choices"]))
-    if m.get("count"):
-        kw["type"] = click.IntRange(min=0)
-    if m.get("number"):
-        kw["type"] = click.FloatRange(*m["number"])
+    kind = _click_type(m)
+    return click.option(flag, f.name, help=m["help"], default=f.default,
+                        **{key: True for key in ("is_flag", "multiple") if m.get(key)},
+                        **({} if kind is None else {"type": kind}),
+                        **{key: m[key] for key in ("metavar", "show_default") if key in m})
+
+
+def _click_type(m) -> click.ParamType | None:
+    """The value type an option's metadata asks for (None: click's, from the default)."""
     if m.get("path"):
-        kw["type"] = click.Path(path_type=Path)
-    for key in ("metavar", "show_default"):
-        if key in m:
-            kw[key] = m[key]
-    return click.option(flag, f.name, **kw)
+        return click.Path(path_type=Path)
+    if m.get("number"):
+        return click.FloatRange(*m["number"])
+    if m.get("count"):
+        return click.IntRange(min=0)
+    if m.get("choices"):
+        return click.Choice(list(m["choices"]))
+    return None
 
 
 def console() -> Console:

@@ -95,8 +95,8 @@ def golden_record_cmd(reference, out, prompts, dtype, points, calibrate, storage
         golden = record(reference, out, prompts=prompts, dtype=dtype, points=points, calibrate=calibrate,
                         storage=storage, force=force, adapter_dirs=adapter_dirs, decode=decode,
                         progress=lambda message: status.update(message))
-    tokens = ", ".join(str(len(r["ids"])) for r in golden.runs)
-    click.echo(f"wrote {out}: {golden.description['family']}, {len(golden.points)} points, {tokens} tokens"
+    tokens = ", ".join(str(len(r.ids)) for r in golden.runs)
+    click.echo(f"wrote {out}: {golden.description.family}, {len(golden.points)} points, {tokens} tokens"
                f"{f' and {decode} decode steps' if decode else ''}, {storage}"
                f"{', calibrated for ' + dtype if calibrate else ''}; {_size(size(out))}")
 

@@ -128,40 +128,59 @@ def _op_right(bug_id: str | None, drilldown: dict | None) -> bool | None:
         consistent(op, drilldown) for op in (bug.op, *bug.also))
 
 
-def totals(rows: list[Row]) -> dict:
+@dataclass(frozen=True)
+class Totals:
+    pairs: int                     # (family, bug) pairs injected
+    detected: int
+    detection_rate: float
+    diagnosed_right: int
+    diagnosis_accuracy: float
+    diagnosed_unknown: int
+    diagnosed_wrong: int
+    clean_conversions: int
+    false_alarms: int              # clean conversions that failed
+    allclose_would_catch: int
+    top1_would_catch: int
+    decode_pairs: int
+    prefill_only_would_catch: int  # of the decode pairs
+    ops_declared: int              # pairs whose mistake shows inside a layer, at an op the catalog declares
+    op_right: int                  # ... which the drill-down found there
+
+
+def totals(rows: list[Row]) -> Totals:
     injected = [r for r in rows if r.bug != "clean"]
     clean = [r for r in rows if r.bug == "clean"]
     detected = [r for r in injected if r.detected]
-    return {
-        "pairs": len(injected),
-        "detected": len(detected),
-        "detection_rate": len(detected) / len(injected) if injected else 1.0,
-        "diagnosed_right": sum(r.diagnosis_right for r in injected),
-        "diagnosis_accuracy": sum(r.diagnosis_right for r in injected) / len(injected) if injected else 1.0,
-        "diagnosed_unknown": sum(r.diagnosed == "unknown" for r in injected),
-        "diagnosed_wrong": sum(r.diagnosed not in (r.bug, "unknown") for r in injected),
-        "clean_conversions": len(clean),
-        "false_alarms": sum(r.detected for r in clean),
-        "allclose_would_catch": sum(r.allclose_caught for r in injected),
-        "top1_would_catch": sum(r.top1_caught for r in injected),
-        "decode_pairs": sum(r.check != "prefill" for r in injected),
-        "prefill_only_would_catch": sum(bool(r.prefill_caught) for r in injected if r.check != "prefill"),
-        "ops_declared": sum(r.op_right is not None for r in injected),
-        "op_right": sum(bool(r.op_right) for r in injected),
-    }
+    return Totals(
+        pairs=len(injected),
+        detected=len(detected),
+        detection_rate=len(detected) / len(injected) if injected else 1.0,
+        diagnosed_right=sum(r.diagnosis_right for r in injected),
+        diagnosis_accuracy=sum(r.diagnosis_right for r in injected) / len(injected) if injected else 1.0,
+        diagnosed_unknown=sum(r.diagnosed == "unknown" for r in injected),
+        diagnosed_wrong=sum(r.diagnosed not in (r.bug, "unknown") for r in injected),
+        clean_conversions=len(clean),
+        false_alarms=sum(r.detected for r in clean),
+        allclose_would_catch=sum(r.allclose_caught for r in injected),
+        top1_would_catch=sum(r.top1_caught for r in injected),
+        decode_pairs=sum(r.check != "prefill" for r in injected),
+        prefill_only_would_catch=sum(bool(r.prefill_caught) for r in injected if r.check != "prefill"),
+        ops_declared=sum(r.op_right is not None for r in injected),
+        op_right=sum(bool(r.op_right) for r in injected),
+    )
 
 
 def summary(rows: list[Row]) -> str:
     """The totals in one line: what `parity selftest` ends with."""
     t = totals(rows)
-    return (f"{t['detected']}/{t['pairs']} pairs detected ({t['detection_rate']:.0%}); diagnosis right for "
-            f"{t['diagnosed_right']}/{t['pairs']} ({t['diagnosis_accuracy']:.0%}), unknown for "
-            f"{t['diagnosed_unknown']}, wrong for {t['diagnosed_wrong']}; {t['false_alarms']} false alarms on "
-            f"{t['clean_conversions']} clean conversions. A final-output np.allclose(atol=1e-5) would have "
-            f"caught {t['allclose_would_catch']}/{t['pairs']}, a next-token check "
-            f"{t['top1_would_catch']}/{t['pairs']}. A prefill-only check caught {t['prefill_only_would_catch']} of the "
-            f"{t['decode_pairs']} KV-cache pairs. The drill-down found {t['op_right']} of the "
-            f"{t['ops_declared']} mistakes that show inside a layer at the op the catalog declares.")
+    return (f"{t.detected}/{t.pairs} pairs detected ({t.detection_rate:.0%}); diagnosis right for "
+            f"{t.diagnosed_right}/{t.pairs} ({t.diagnosis_accuracy:.0%}), unknown for "
+            f"{t.diagnosed_unknown}, wrong for {t.diagnosed_wrong}; {t.false_alarms} false alarms on "
+            f"{t.clean_conversions} clean conversions. A final-output np.allclose(atol=1e-5) would have "
+            f"caught {t.allclose_would_catch}/{t.pairs}, a next-token check "
+            f"{t.top1_would_catch}/{t.pairs}. A prefill-only check caught {t.prefill_only_would_catch} of the "
+            f"{t.decode_pairs} KV-cache pairs. The drill-down found {t.op_right} of the "
+            f"{t.ops_declared} mistakes that show inside a layer at the op the catalog declares.")
 
 
 def markdown(rows: list[Row]) -> str:

@@ -1,26 +1,28 @@
 """The porting-bug catalog: the convention mistakes ports make, each injectable into a neutral model.
 
-An injection is a change to a neutral model's manifest (its conventions) or tensors — never a
-special case in the executor — so that the executor runs the mistake exactly as a port would.
-Whether a bug applies is read off the manifest too (a model with no sliding window cannot ignore
-one), so the catalog holds no family names; ``families`` is computed from the adapters' tiny
-checkpoints for display.
+An injection is a typed edit of a neutral model (parity.neutral.model: a field set to the wrong value, a field's
+value fitted) or of its tensors — never a special case in the executor — so that the executor runs the mistake
+exactly as a port would. Whether a bug applies is read off the model too (a model with no sliding window cannot
+ignore one), so the catalog holds no family names; ``families`` is computed from the adapters' tiny checkpoints for
+display.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from parity import rope as rope_math
 from parity.errors import ParityError
+from parity.neutral.model import (Attention, BlockNorms, CachePolicy, Embedding, Glu, Head, Layer, Manifest, Mla, Moe,
+                                  Norm, Part, Rope)
 
 Tensors = dict[str, torch.Tensor]
+Inject = Callable[[Manifest, Tensors], None]
 
-BLOCK_POST = ("attn_post_norm", "mlp_post_norm")
 ADDED_FINAL_SOFTCAP = 30.0  # the cap ports add where a family has none: Gemma 2's (ollama/ollama PR #9692, Gemma 3)
 ADDED_ATTN_SOFTCAP = 50.0   # Gemma 2's attention cap, the one a port copies onto a family that has none
 # the window a port adds where a family has none: a hypothesis must bite on the selftest's short prompt, so it is
@@ -39,8 +41,8 @@ class Bug:
     explains: str                # "the candidate matches {explains}" in a diagnosis
     shows: str                   # "garbage at once" | "degrades on long prompts" | "low precision only" | "subtle"
     seen_in: str                 # where it happened in public ports
-    applies: Callable[[dict], bool]
-    inject: Callable[[dict, Tensors], None]   # changes (manifest, tensors) in place
+    applies: Callable[[Manifest], bool]
+    inject: Inject               # changes (manifest, tensors) in place
     dtype: str = "float32"       # the dtype its selftest runs in
     width: int | None = None     # its selftest's hidden size, where 64 is too narrow for the mistake to show
     decode: bool = False         # a KV-cache mistake: only decode steps show it (check --decode), the prefill passes
@@ -51,55 +53,59 @@ class Bug:
     also: tuple[str, ...] = ()   # other ops it may first show at, on some sides (below, where one is given)
     # sizes the mistake from the position where a candidate's error starts (a window added: its width), where a
     # diagnosis knows it; the selftest injects the catalog's size
-    sized: Callable[[dict, int], None] | None = None
+    sized: Callable[[Manifest, int], None] | None = None
 
 
 # --------------------------------------------------------------------------------------------
-# Walking a manifest
+# Typed edits: most mistakes set fields of every part of one kind
 
 
-def _norms(m: dict) -> Iterator[tuple[str, dict, dict, str]]:
-    """Every norm spec: (tensor name prefix, spec, the dict holding it, its key there)."""
-    emb = m["embedding"]
-    if emb["norm"]:
-        yield "embed.norm", emb["norm"], emb, "norm"
-    if emb["per_layer_input"] and emb["per_layer_input"]["norm"]:
-        yield "embed.per_layer_norm", emb["per_layer_input"]["norm"], emb["per_layer_input"], "norm"
-    for i, layer in enumerate(m["layers"]):
-        p = f"layers.{i}."
-        for slot, spec in layer["norms"].items():
-            if spec:
-                yield p + slot, spec, layer["norms"], slot
-        att = layer["attention"]
-        for key in ("q_norm", "k_norm", "v_norm"):
-            if att[key]:
-                yield p + f"attn.{key}", att[key], att, key
-        if att["mla"]:
-            for key in ("q_a_norm", "kv_a_norm"):
-                if att["mla"][key]:
-                    yield p + f"attn.{key}", att["mla"][key], att["mla"], key
-        moe = layer["mlp"]["moe"]
-        if moe:
-            for key, name in (("router_norm", "moe.router_norm"), ("expert_norm", "moe_norm"),
-                              ("expert_post_norm", "moe_post_norm"), ("dense_post_norm", "mlp_dense_post_norm")):
-                if moe[key]:
-                    yield p + name, moe[key], moe, key
-        if layer["per_layer_input"] and layer["per_layer_input"]["post_norm"]:
-            yield p + "pli_post_norm", layer["per_layer_input"]["post_norm"], layer["per_layer_input"], "post_norm"
-    if m["final_norm"]:
-        yield "final_norm", m["final_norm"], m, "final_norm"
-    head = m["head"]
-    if head and head["transform"] and head["transform"]["norm"]:
-        yield "head.norm", head["transform"]["norm"], head["transform"], "norm"
+def _each(parts: Callable[[Manifest], Iterable[Part]], **fields: Any) -> Inject:
+    """The mistake "every part ``parts(m)`` has these field values": a value, or a function of the part as it was
+    (a value fitted to it); every field is computed before any is set."""
+    def inject(m: Manifest, t: Tensors) -> None:
+        for part in list(parts(m)):
+            values = {f: v(part) if callable(v) else v for f, v in fields.items()}
+            for f, v in values.items():
+                setattr(part, f, v)
+    return inject
 
 
-def _attention(m: dict) -> Iterator[tuple[int, dict]]:
-    for i, layer in enumerate(m["layers"]):
-        yield i, layer["attention"]
+def _rescaled(ropes: Callable[[Manifest], Iterable[Rope]], **params: Any) -> Inject:
+    """``_each`` for the parameters of a RoPE scaling (the config's own mapping): a value, or a function of the
+    RoPE as it was."""
+    return _each(ropes, scaling=lambda r: {**r.scaling, **{k: v(r) if callable(v) else v for k, v in params.items()}})
 
 
-def _has(m: dict, test: Callable[[dict], bool]) -> bool:
-    return any(test(att) for _, att in _attention(m))
+# the parts of one kind: what an edit sets, what a test of applicability reads
+
+
+def _attention(m: Manifest) -> list[Attention]:
+    return [att for _, att in m.attentions()]
+
+
+def _has(m: Manifest, test: Callable[[Attention], bool]) -> bool:
+    return any(test(att) for att in _attention(m))
+
+
+def _norms(m: Manifest) -> list[Norm]:
+    return [norm for _, norm, _, _ in m.norms()]
+
+
+def _block_norms(m: Manifest) -> list[BlockNorms]:
+    return [layer.norms for layer in m.layers]
+
+
+def _layers(m: Manifest) -> list[Layer]:
+    return m.layers
+
+
+def _head(m: Manifest) -> list[Head]:
+    return [m.head]
+
+
+def _embedding(m: Manifest) -> list[Embedding]:
+    return [m.embedding]
 
 
 def _scale_weight(t: Tensors, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -108,176 +114,104 @@ def _scale_weight(t: Tensors, name: str, change: Callable[[torch.Tensor], torch.
 
 
 # --------------------------------------------------------------------------------------------
-# Injections
+# What the mistakes apply to, and the ones an edit of fields cannot say
 
 
-def _offset_dropped(m: dict, t: Tensors) -> None:
-    for name, spec, _, _ in _norms(m):
-        if spec["folded_offset"]:
+def _offset_dropped(m: Manifest, t: Tensors) -> None:
+    for name, norm, _, _ in m.norms():
+        if norm.folded_offset:
             _scale_weight(t, name, lambda w: w - 1.0)  # stored 1 + w: the port uses w
 
 
-def _offset_added(m: dict, t: Tensors) -> None:
-    for name, spec, _, _ in _norms(m):
-        if spec["kind"] == "rmsnorm" and spec["weight"]:
+def _offset_added(m: Manifest, t: Tensors) -> None:
+    for name, norm, _, _ in m.norms():
+        if norm.kind == "rmsnorm" and norm.weight:
             _scale_weight(t, name, lambda w: w + 1.0)  # 1 + w where the family computes w (or +1 twice)
 
 
-def _eps_wrong(m: dict, t: Tensors) -> None:
-    for _, spec, _, _ in _norms(m):
-        spec["eps"] = 1e-6 if spec["eps"] != 1e-6 else 1e-5
-
-
-def _low_precision(m: dict, t: Tensors) -> None:
-    for _, spec, _, _ in _norms(m):
-        spec["upcast"] = "none"
-        spec["weight_dtype"] = "model"
-
-
-def _post_as_pre(m: dict, t: Tensors) -> None:
-    for i, layer in enumerate(m["layers"]):
-        norms = layer["norms"]
+def _post_as_pre(m: Manifest, t: Tensors) -> None:
+    for i, layer in enumerate(m.layers):
+        norms = layer.norms
         for sub in ("attn", "mlp"):
-            if norms[f"{sub}_res_norm"]:
-                norms[f"{sub}_norm"], norms[f"{sub}_res_norm"] = norms[f"{sub}_res_norm"], None
+            post = getattr(norms, f"{sub}_res_norm")
+            if post is not None:
+                setattr(norms, f"{sub}_norm", post)
+                setattr(norms, f"{sub}_res_norm", None)
                 for part in ("weight", "bias"):
                     old = f"layers.{i}.{sub}_res_norm.{part}"
                     if old in t:
                         t[f"layers.{i}.{sub}_norm.{part}"] = t.pop(old)
 
 
-def _post_dropped(m: dict, t: Tensors) -> None:
-    for layer in m["layers"]:
-        for slot in BLOCK_POST:
-            layer["norms"][slot] = None
-
-
-def _qk_dropped(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["qk_norm"], att["q_norm"], att["k_norm"] = "none", None, None
-
-
-def _qk_per_head(m: dict, t: Tensors) -> None:
-    for i, att in _attention(m):
-        if att["qk_norm"] == "full_width":
-            att["qk_norm"] = "per_head"  # statistics per head; the full-width weight laid out per head
-            for key, heads in (("q_norm", att["heads"]), ("k_norm", att["kv_heads"])):
+def _qk_per_head(m: Manifest, t: Tensors) -> None:
+    for i, att in m.attentions():
+        if att.qk_norm == "full_width":
+            att.qk_norm = "per_head"  # statistics per head; the full-width weight laid out per head
+            for key, heads in (("q_norm", att.heads), ("k_norm", att.kv_heads)):
                 name = f"layers.{i}.attn.{key}.weight"
                 if name in t:
-                    t[name] = t[name].reshape(heads, att["head_dim"])
+                    t[name] = t[name].reshape(heads, att.head_dim)
 
 
-def _qk_across_heads(m: dict, t: Tensors) -> None:
-    for i, att in _attention(m):
-        if att["qk_norm"] == "per_head":
-            att["qk_norm"] = "full_width"  # statistics over every head at once; per-head weights repeated per head
-            for key, heads in (("q_norm", att["heads"]), ("k_norm", att["kv_heads"])):
+def _qk_across_heads(m: Manifest, t: Tensors) -> None:
+    for i, att in m.attentions():
+        if att.qk_norm == "per_head":
+            att.qk_norm = "full_width"  # statistics over every head at once; per-head weights repeated per head
+            for key, heads in (("q_norm", att.heads), ("k_norm", att.kv_heads)):
                 for name in (f"layers.{i}.attn.{key}.weight", f"layers.{i}.attn.{key}.bias"):
                     if name in t:
                         t[name] = t[name].repeat(heads)
 
 
-def _v_dropped(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["v_norm"] = None
-
-
-def _softcap_dropped(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["softcap"] = None
-
-
-def _final_softcap_dropped(m: dict, t: Tensors) -> None:
-    m["head"]["softcap"] = None
-
-
-def _plain_scale(att: dict) -> float:
-    width = att["mla"]["qk_nope_head_dim"] + att["mla"]["qk_rope_head_dim"] if att["mla"] else att["head_dim"]
+def _plain_scale(att: Attention) -> float:
+    width = att.mla.qk_nope_head_dim + att.mla.qk_rope_head_dim if att.mla is not None else att.head_dim
     return width ** -0.5
 
 
-def _scale_wrong(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["scale"] = _plain_scale(att)
-
-
-def _embed_scale_dropped(m: dict, t: Tensors) -> None:
-    m["embedding"]["scale"] = 1.0
-
-
-def _has_nope(m: dict) -> bool:
+def _has_nope(m: Manifest) -> bool:
     """Some layers of a RoPE model go without RoPE, and some rotate."""
-    ropes = [att["rope"] is not None for _, att in _attention(m)]
-    return m.get("rope_style") is not None and any(ropes) and not all(ropes)
+    ropes = [att.rope is not None for att in _attention(m)]
+    return m.rope_style is not None and any(ropes) and not all(ropes)
 
 
-def _nope_given_rope(m: dict, t: Tensors) -> None:
-    rope = next(att["rope"] for _, att in _attention(m) if att["rope"] is not None)
-    for _, att in _attention(m):
-        if att["rope"] is None:
-            att["rope"] = copy.deepcopy(rope)  # the port rotates every layer alike
+def _nope_given_rope(m: Manifest, t: Tensors) -> None:
+    rope = m.ropes()[0]
+    for att in _attention(m):
+        if att.rope is None:
+            att.rope = rope.model_copy(deep=True)  # the port rotates every layer alike
 
 
-def _logit_scale_dropped(m: dict, t: Tensors) -> None:
-    m["head"]["scale"] = 1.0
+def _glus(m: Manifest) -> Iterator[Glu]:
+    """Every gated unit: each layer's MLP, and its experts."""
+    for layer in m.layers:
+        if layer.mlp.gated:
+            yield layer.mlp
+        if layer.mlp.moe is not None:
+            yield layer.mlp.moe
 
 
-def _residual_scale_dropped(m: dict, t: Tensors) -> None:
-    for layer in m["layers"]:
-        layer["residual_scale"] = 1.0
-
-
-def _sinks_dropped(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["sinks"] = False  # the softmax over the keys alone: each query's weights sum to 1
-
-
-def _glus(m: dict) -> Iterator[dict]:
-    """Every gated unit's spec: each layer's MLP, and its experts."""
-    for layer in m["layers"]:
-        if layer["mlp"]["gated"]:
-            yield layer["mlp"]
-        if layer["mlp"]["moe"]:
-            yield layer["mlp"]["moe"]
-
-
-def _clamp_dropped(m: dict, t: Tensors) -> None:
-    for spec in _glus(m):
-        spec["glu_limit"] = None
-
-
-def _up_offset_dropped(m: dict, t: Tensors) -> None:
-    for spec in _glus(m):
-        spec["glu_up_offset"] = 0.0
-
-
-def _sequential(m: dict, t: Tensors) -> None:
-    for i, layer in enumerate(m["layers"]):
-        mlp = layer["mlp"]
-        if mlp.get("shared_norm"):  # Phi's one norm: the port applies it again, to the stream after attention
-            layer["norms"]["mlp_norm"] = copy.deepcopy(layer["norms"]["attn_norm"])
+def _sequential(m: Manifest, t: Tensors) -> None:
+    for i, layer in enumerate(m.layers):
+        mlp = layer.mlp
+        if mlp.shared_norm:  # Phi's one norm: the port applies it again, to the stream after attention
+            layer.norms.mlp_norm = layer.norms.attn_norm.model_copy(deep=True)
             for part in ("weight", "bias"):
                 if f"layers.{i}.attn_norm.{part}" in t:
                     t[f"layers.{i}.mlp_norm.{part}"] = t[f"layers.{i}.attn_norm.{part}"]
-        mlp["parallel"] = mlp["shared_norm"] = False  # the MLP reads the stream after the attention add, as Llama's
+        mlp.parallel = mlp.shared_norm = False  # the MLP reads the stream after the attention add, as Llama's
 
 
-def _shared_gated(m: dict) -> list[dict]:
+def _shared_gated(m: Manifest) -> list[Moe]:
     """The MoE blocks whose shared experts' output is gated by sigmoid(shared_gate(x)) (Qwen2-MoE)."""
-    return [layer["mlp"]["moe"] for layer in m["layers"] if (layer["mlp"]["moe"] or {}).get("shared_gate")]
+    return [moe for moe in m.moes() if moe.shared_gate]
 
 
-def _shared_gate_dropped(m: dict, t: Tensors) -> None:
-    for spec in _shared_gated(m):
-        spec["shared_gate"] = False  # the shared experts' output added as it is
-
-
-def _interleaved(m: dict) -> list[str]:
+def _interleaved(m: Manifest) -> list[str]:
     """The q/k/v tensors split from a fused tensor whose parts were interleaved per head (GPT-NeoX)."""
-    return [n for n, info in m["tensors"].items() if info.get("interleaved", 0) > 1]
+    return [n for n, info in m.tensors.items() if info.interleaved > 1]
 
 
-def _fused_split_wrong(m: dict, t: Tensors) -> None:
+def _fused_split_wrong(m: Manifest, t: Tensors) -> None:
     """q, k and v cut from the fused tensor as three blocks [3, heads, head_dim] where it holds [heads, 3, head_dim]:
     the fused tensor is rebuilt from the right parts, then split the wrong way."""
     groups: dict[str, list[str]] = {}
@@ -287,7 +221,7 @@ def _fused_split_wrong(m: dict, t: Tensors) -> None:
     for names in groups.values():
         if not all(n in t for n in names):  # (the diagnosis may hold one layer's tensors only)
             continue
-        blocks = m["tensors"][names[0]]["interleaved"]
+        blocks = m.tensors[names[0]].interleaved
         parts = [t[n] for n in names]
         fused = torch.cat([p.reshape(blocks, p.shape[0] // blocks, *p.shape[1:]) for p in parts], dim=1)
         fused = fused.reshape(-1, *parts[0].shape[1:])
@@ -299,288 +233,201 @@ GELU_SWAP = {"gelu_exact": "gelu_tanh", "gelu_tanh": "gelu_exact"}
 ACT_SWAP = {"silu": "gelu_tanh", "gelu_tanh": "silu", "gelu_exact": "silu"}
 
 
-def _activations(m: dict) -> Iterator[dict]:
-    for layer in m["layers"]:
-        yield layer["mlp"]
-        if layer["mlp"]["moe"]:
-            yield layer["mlp"]["moe"]
-    if m["head"] and m["head"]["transform"]:
-        yield m["head"]["transform"]
+def _activations(m: Manifest) -> Iterator[Part]:
+    """Every part with an activation: each layer's MLP, its experts, the head's transform."""
+    for layer in m.layers:
+        yield layer.mlp
+        if layer.mlp.moe is not None:
+            yield layer.mlp.moe
+    if m.head is not None and m.head.transform is not None:
+        yield m.head.transform
 
 
-def _swap(table: dict) -> Callable[[dict, Tensors], None]:
-    def inject(m: dict, t: Tensors) -> None:
-        for spec in _activations(m):
-            spec["activation"] = table.get(spec["activation"], spec["activation"])
-    return inject
+def _swap(table: dict[str, str]) -> Inject:
+    return _each(_activations, activation=lambda part: table.get(part.activation, part.activation))
 
 
-def _ropes(m: dict) -> Iterator[dict]:
-    """Every layer's RoPE (NoPE layers have none)."""
-    return (att["rope"] for _, att in _attention(m) if att["rope"] is not None)
+def _scaling_type(rope: Rope) -> str | None:
+    return (rope.scaling or {}).get("rope_type")
 
 
-def _rope_permuted(m: dict, t: Tensors) -> None:
-    for rope in _ropes(m):
-        rope["style"] = "interleaved" if rope["style"] == "half" else "half"
+def _longropes(m: Manifest) -> list[Rope]:
+    """The LongRoPE layers whose two factor sets differ (picking the wrong one changes the rotation)."""
+    return [r for r in m.ropes() if _scaling_type(r) == "longrope"
+            and r.scaling.get("long_factor") != r.scaling.get("short_factor")]
 
 
-def _theta_wrong(m: dict, t: Tensors) -> None:
-    for rope in _ropes(m):
-        rope["theta"] = 10000.0 if rope["theta"] != 10000.0 else 1000000.0
-
-
-def _longropes(m: dict) -> list[dict]:
-    """The LongRoPE scalings whose two factor sets differ (picking the wrong one changes the rotation)."""
-    return [r["scaling"] for r in _ropes(m) if (r.get("scaling") or {}).get("rope_type") == "longrope"
-            and r["scaling"]["long_factor"] != r["scaling"]["short_factor"]]
-
-
-def _long_factors_early(m: dict, t: Tensors) -> None:
-    for scaling in _longropes(m):
-        scaling["short_factor"] = list(scaling["long_factor"])
-
-
-def _short_factors_late(m: dict, t: Tensors) -> None:
-    for scaling in _longropes(m):
-        scaling["long_factor"] = list(scaling["short_factor"])
-
-
-def _scaled(m: dict) -> list[dict]:
+def _scaled(m: Manifest) -> list[Rope]:
     """The layers' RoPE that carry a scaling."""
-    return [r for r in _ropes(m) if r.get("scaling")]
+    return [r for r in m.ropes() if r.scaling]
 
 
-def _rope_scaling_dropped(m: dict, t: Tensors) -> None:
-    for rope in _scaled(m):
-        rope["scaling"] = None
-
-
-def _scaling_on_other_layers(m: dict) -> bool:
+def _scaling_on_other_layers(m: Manifest) -> bool:
     """Some rotating layers scale their RoPE and others do not (Gemma 3: the global layers only)."""
-    ropes = list(_ropes(m))
-    return any(r.get("scaling") for r in ropes) and not all(r.get("scaling") for r in ropes)
+    ropes = m.ropes()
+    return any(r.scaling for r in ropes) and not all(r.scaling for r in ropes)
 
 
-def _rope_scaling_swapped(m: dict, t: Tensors) -> None:
-    scaling = copy.deepcopy(next(r["scaling"] for r in _ropes(m) if r.get("scaling")))
-    for rope in _ropes(m):
-        rope["scaling"] = None if rope.get("scaling") else copy.deepcopy(scaling)
+def _rope_scaling_swapped(m: Manifest, t: Tensors) -> None:
+    scaling = _scaled(m)[0].scaling
+    for rope in m.ropes():
+        rope.scaling = None if rope.scaling else copy.deepcopy(scaling)
 
 
-def _partial(m: dict) -> list[dict]:
+def _partial(m: Manifest) -> list[Rope]:
     """RoPE over part of each head, whose frequencies do not hang on the rotated width (a scaling with one factor
     per rotated pair, LongRoPE's, cannot be stretched to the full head)."""
-    return [r for r in _ropes(m) if r["rotary_dim"] < r["head_dim"]
-            and (r.get("scaling") or {}).get("rope_type") != "longrope"]
+    return [r for r in m.ropes() if r.rotary_dim < r.head_dim and _scaling_type(r) != "longrope"]
 
 
-def _partial_as_full(m: dict, t: Tensors) -> None:
-    for rope in _partial(m):
-        rope["rotary_dim"] = rope["head_dim"]
+def _causal(m: Manifest) -> list[Attention]:
+    return [att for att in _attention(m) if att.causal]
 
 
-def _final_softcap_added(m: dict, t: Tensors) -> None:
-    m["head"]["softcap"] = ADDED_FINAL_SOFTCAP
-
-
-def _attn_softcap_added(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["softcap"] = ADDED_ATTN_SOFTCAP
-
-
-def _window_added(m: dict, t: Tensors) -> None:
-    _window_sized(m, ADDED_SLIDING_WINDOW)
-
-
-def _window_sized(m: dict, width: int) -> None:
+def _window_sized(m: Manifest, width: int) -> None:
     """A window of ``width`` keys: position ``width`` is the first that loses one, where the error starts."""
-    for _, att in _attention(m):
-        if att["causal"]:
-            att["sliding_window"] = width
+    for att in _causal(m):
+        att.sliding_window = width
 
 
-def _yarns(m: dict) -> Iterator[dict]:
+def _yarns(m: Manifest) -> list[Rope]:
     """The layers' RoPE scaled by YaRN."""
-    return (r for r in _ropes(m) if (r.get("scaling") or {}).get("rope_type") == "yarn")
+    return [r for r in m.ropes() if _scaling_type(r) == "yarn"]
 
 
 YARN_ATTENTION_KEYS = ("attention_factor", "mscale", "mscale_all_dim")  # what sets YaRN's cos/sin factor
 
 
-def _yarn_attention(rope: dict, plain: bool = False) -> float:
+def _yarn_attention(rope: Rope, plain: bool = False) -> float:
     """The factor YaRN scales cos and sin by; ``plain``: the default 0.1 ln(factor) + 1, as if the config set none
     of YARN_ATTENTION_KEYS."""
     if plain:
-        rope = {**rope, "scaling": {k: v for k, v in rope["scaling"].items() if k not in YARN_ATTENTION_KEYS}}
+        rope = rope.model_copy(
+            update={"scaling": {k: v for k, v in rope.scaling.items() if k not in YARN_ATTENTION_KEYS}})
     return rope_math.inv_freq(rope)[1]
 
 
-def _yarn_attention_dropped(m: dict, t: Tensors) -> None:
-    for rope in _yarns(m):
-        rope["scaling"]["attention_factor"] = 1.0
-
-
-def _yarn_attention_plain(m: dict, t: Tensors) -> None:
-    for rope in _yarns(m):
-        rope["scaling"]["attention_factor"] = _yarn_attention(rope, plain=True)
-
-
-def _mla_mscale(att: dict) -> float:
+def _mla_mscale(att: Attention) -> float:
     """The mscale ** 2 that MLA's softmax scale carries under YaRN with ``mscale_all_dim`` (DeepSeek: 0.1 *
     mscale_all_dim * ln(factor) + 1, squared); 1 where it carries none."""
-    scaling = (att["rope"] or {}).get("scaling") or {}
-    if not att["mla"] or not scaling.get("mscale_all_dim") or scaling.get("rope_type", "default") == "default":
+    scaling = (att.rope.scaling if att.rope is not None else None) or {}
+    if att.mla is None or not scaling.get("mscale_all_dim") or scaling.get("rope_type", "default") == "default":
         return 1.0
-    return rope_math.yarn_mscale(scaling.get("factor") or 1.0, scaling["mscale_all_dim"]) ** 2
+    return rope_math.yarn_mscale(scaling.get("factor") or 1.0, scaling.get("mscale_all_dim")) ** 2
 
 
-def _mla_mscale_dropped(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["scale"] /= _mla_mscale(att)
-
-
-def _head_width_rotary(m: dict) -> list[dict]:
+def _head_width_rotary(m: Manifest) -> list[Rope]:
     """Unscaled RoPE over part of each head: the frequencies a port spaces by the head's width stay expressible."""
-    return [r for r in _ropes(m) if r["rotary_dim"] < r["head_dim"] and not r.get("scaling")]
+    return [r for r in m.ropes() if r.rotary_dim < r.head_dim and not r.scaling]
 
 
-def _rotary_over_head_width(m: dict, t: Tensors) -> None:
-    for rope in _head_width_rotary(m):
-        # the first rotary_dim / 2 pairs turn, each (j, j + head_dim / 2) at theta ** (-2j / head_dim): Gemma 4's
-        # proportional RoPE at the family's partial factor
-        rope["scaling"] = {"rope_type": "proportional", "partial_rotary_factor": rope["rotary_dim"] / rope["head_dim"]}
-        rope["rotary_dim"] = rope["head_dim"]
-
-
-def _proportional(m: dict) -> list[dict]:
+def _proportional(m: Manifest) -> list[Rope]:
     """Proportional RoPE whose turning pairs are fewer than the head's (Gemma 4's global layers)."""
-    return [r for r in _ropes(m) if (r.get("scaling") or {}).get("rope_type") == "proportional"
-            and r["scaling"].get("partial_rotary_factor", 1.0) < 1.0]
+    return [r for r in m.ropes() if _scaling_type(r) == "proportional"
+            and r.scaling.get("partial_rotary_factor", 1.0) < 1.0]
 
 
-def _proportional_contiguous(m: dict, t: Tensors) -> None:
+def _proportional_contiguous(m: Manifest, t: Tensors) -> None:
     for rope in _proportional(m):
-        scaling = rope["scaling"]
-        turning = int(scaling["partial_rotary_factor"] * rope["head_dim"] // 2)
+        scaling = rope.scaling
+        turning = int(scaling.get("partial_rotary_factor") * rope.head_dim // 2)
         # the same frequencies, theta ** (-2j / head_dim), but pairs (j, j + turning) inside the first 2 * turning
         # dims: plain RoPE over 2 * turning dims with its base raised to 2 * turning / head_dim
-        rope["theta"] = rope["theta"] ** (2 * turning / rope["head_dim"])
-        rope["rotary_dim"] = 2 * turning
+        rope.theta = rope.theta ** (2 * turning / rope.head_dim)
+        rope.rotary_dim = 2 * turning
         factor = scaling.get("factor", 1.0)
-        rope["scaling"] = {"rope_type": "linear", "factor": factor} if factor != 1.0 else None
+        rope.scaling = {"rope_type": "linear", "factor": factor} if factor != 1.0 else None
 
 
-def _embed_scale_added(m: dict, t: Tensors) -> None:
-    m["embedding"]["scale"] = float(m["hidden_size"]) ** 0.5
-
-
-def _embed_scale_rounded(m: dict, t: Tensors) -> None:
-    m["embedding"]["scale_dtype"] = "bfloat16"
+def _embed_scale_added(m: Manifest, t: Tensors) -> None:
+    m.embedding.scale = float(m.hidden_size) ** 0.5
 
 
 def _bf16_inexact(x: float) -> bool:
     return float(torch.tensor(x, dtype=torch.bfloat16)) != x
 
 
-def _window_ignored(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["sliding_window"] = None
+def _routed(m: Manifest) -> list[Moe]:
+    """MoE blocks whose top-k weights come from a softmax or sigmoid over every expert: renormalising them is a
+    choice (the top-k softmax and sigmoid routings make none)."""
+    return [moe for moe in m.moes() if moe.routing in ("softmax", "sigmoid")]
 
 
-def _chunks_ignored(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["chunk_size"] = None
-
-
-def _temperature_dropped(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        att["temperature"] = None
-
-
-def _moes(m: dict) -> list[dict]:
-    return [layer["mlp"]["moe"] for layer in m["layers"] if layer["mlp"]["moe"] is not None]
-
-
-def _renormalisable(m: dict, renormalised: bool) -> list[dict]:
+def _renormalisable(m: Manifest, renormalised: bool) -> list[Moe]:
     """MoE blocks whose top-k weights come from a softmax or sigmoid over every expert, renormalised or not
     (norm_topk_prob): where the choice is the model's."""
-    return [moe for moe in _moes(m) if moe["routing"] in ("softmax", "sigmoid")
-            and bool(moe.get("renormalise")) == renormalised
+    return [moe for moe in _routed(m) if moe.renormalise == renormalised
             # a norm over the weighted sum (Gemma 4's) cancels the per-token factor renormalising is
-            and moe.get("expert_post_norm") is None]
+            and moe.expert_post_norm is None]
 
 
-def _renormalisation_flipped(m: dict, t: Tensors) -> None:
-    for moe in _moes(m):
-        if moe["routing"] in ("softmax", "sigmoid"):
-            moe["renormalise"] = not moe.get("renormalise")
+_weights_moved = _each(Manifest.moes, weights_input=lambda moe: not moe.weights_input)
+_renormalisation_flipped = _each(_routed, renormalise=lambda moe: not moe.renormalise)
 
 
-def _weights_moved(m: dict, t: Tensors) -> None:
-    for moe in _moes(m):
-        moe["weights_input"] = not moe.get("weights_input", False)
+QKV_BIASES = ("attn.q.bias", "attn.k.bias", "attn.v.bias", "attn.q_a.bias", "attn.kv_a.bias")
 
 
-def _qkv_bias_dropped(m: dict, t: Tensors) -> None:
-    for name in [n for n in t if n.startswith("layers.") and n.split(".", 2)[2] in
-                 ("attn.q.bias", "attn.k.bias", "attn.v.bias", "attn.q_a.bias", "attn.kv_a.bias")]:
+def _qkv_biases(names: Iterable[str]) -> list[str]:
+    return [n for n in names if n.startswith("layers.") and n.split(".", 2)[2] in QKV_BIASES]
+
+
+def _qkv_bias_dropped(m: Manifest, t: Tensors) -> None:
+    for name in _qkv_biases(t):
         del t[name]
 
 
-def _conv1d(m: dict) -> list[str]:
-    return [n for n, info in m["tensors"].items() if info.get("transposed") and len(info["shape"]) == 2
-            and info["shape"][0] == info["shape"][1]]
+def _conv1d(m: Manifest) -> list[str]:
+    return [n for n, info in m.tensors.items() if info.transposed and len(info.shape) == 2
+            and info.shape[0] == info.shape[1]]
 
 
-def _conv1d_not_transposed(m: dict, t: Tensors) -> None:
+def _conv1d_not_transposed(m: Manifest, t: Tensors) -> None:
     for name in _conv1d(m):  # square Conv1D weights used as stored: W^T (the others would not even load)
         if name in t:  # (the diagnosis may hold one layer's tensors only)
             t[name] = t[name].t().contiguous()
 
 
-def _untied(m: dict, t: Tensors) -> None:
-    m["head"]["tied"] = False
+def _untied(m: Manifest, t: Tensors) -> None:
+    m.head.tied = False
     embed = t["embed.tokens.weight"]
     gen = torch.Generator().manual_seed(0)
     t["lm_head.weight"] = (torch.randn(embed.shape, generator=gen) * 0.02).to(embed.dtype)  # a fresh init
 
 
-def _mla_dropped(m: dict, t: Tensors) -> None:
-    for _, att in _attention(m):
-        if att["mla"]:
-            att["mla"]["q_a_norm"] = att["mla"]["kv_a_norm"] = None
+def _mlas(m: Manifest) -> list[Mla]:
+    return [att.mla for att in _attention(m) if att.mla is not None]
 
 
-def _cache_policy(**policy) -> Callable[[dict, Tensors], None]:
+def _cache_policy(**policy: Any) -> Inject:
     """A decode bug: the executor's cache (parity.neutral.executor.cache) follows this policy instead of the correct
     one."""
-    def inject(m: dict, t: Tensors) -> None:
-        m["kv_cache"] = {**m.get("kv_cache", {}), **policy}
+    def inject(m: Manifest, t: Tensors) -> None:
+        m.kv_cache = (m.kv_cache or CachePolicy()).model_copy(update=policy)
     return inject
 
 
-def decodes(m: dict) -> bool:
+def decodes(m: Manifest) -> bool:
     """A causal language model: it has decode steps."""
-    return bool(m["head"]) and all(layer["attention"]["causal"] for layer in m["layers"])
+    return m.head is not None and all(layer.attention.causal for layer in m.layers)
 
 
-def _uniform_kv(m: dict) -> bool:
+def _uniform_kv(m: Manifest) -> bool:
     """Every layer caches keys and values of one shape, and none reuses another's: a cache whose slots any layer
     could write (where shapes differ, a port that mixes up slots fails loudly instead)."""
-    shapes = {(a["kv_heads"], a["head_dim"], bool(a["mla"])) for _, a in _attention(m)}
-    return len(shapes) == 1 and not _has(m, lambda a: a["kv_shared_from"] is not None)
+    shapes = {(a.kv_heads, a.head_dim, a.mla is not None) for a in _attention(m)}
+    return len(shapes) == 1 and not _has(m, lambda a: a.kv_shared_from is not None)
 
 
-def _rms(m: dict) -> bool:
-    return any(spec["kind"] == "rmsnorm" for _, spec, _, _ in _norms(m))
+def _rms(m: Manifest) -> bool:
+    return any(norm.kind == "rmsnorm" for norm in _norms(m))
 
 
 CATALOG: list[Bug] = [
     Bug("norm-offset-dropped", "`w` used where the family computes `1 + w`",
         "the norm computed with `weight` instead of `1 + weight`", "garbage at once",
         "ggml-org/llama.cpp PR #5631; linkedin/Liger-Kernel #74",
-        lambda m: any(s["folded_offset"] for _, s, _, _ in _norms(m)), _offset_dropped, op="attn_in", also=NORM_FIRST),
+        lambda m: any(n.folded_offset for n in _norms(m)), _offset_dropped, op="attn_in", also=NORM_FIRST),
     Bug("norm-offset-added", "`1 + w` used where the family computes `w` (or +1 applied twice)",
         "the norm computed with `1 + weight` instead of `weight`", "garbage at once",
         "utensils/mold #1078",
@@ -588,98 +435,106 @@ CATALOG: list[Bug] = [
     Bug("norm-eps-wrong", "eps differs from the config (e.g. 1e-6 for 1e-5)",
         "the norms computed with a different eps", "subtle",
         "ggml-org/llama.cpp #2373, PR #2374; apache/tvm #15856; mlc-ai/mlc-llm #923; intel/ipex-llm #9529",
-        lambda m: any(True for _ in _norms(m)), _eps_wrong, op="attn_in", also=NORM_FIRST),
+        lambda m: bool(_norms(m)), _each(_norms, eps=lambda n: 1e-6 if n.eps != 1e-6 else 1e-5), op="attn_in",
+        also=NORM_FIRST),
     Bug("norm-in-low-precision", "norm computed in bf16/fp16 instead of float32",
         "the norms computed in the model's low precision", "low precision only",
         "huggingface/transformers PR #29402; meta-llama/llama #1048; pytorch/pytorch #133085",
         # accumulating mean(x^2) in bf16 loses the small terms once the sum is 256x larger: it takes a
         # realistic width to show (at hidden 64 it stays within bf16's own noise)
-        lambda m: any(True for _ in _norms(m)), _low_precision, dtype="bfloat16", width=1024, op="attn_in", also=NORM_FIRST),
+        lambda m: bool(_norms(m)), _each(_norms, upcast="none", weight_dtype="model"), dtype="bfloat16", width=1024,
+        op="attn_in", also=NORM_FIRST),
     Bug("post-norm-as-pre-norm", "Post-Norm block ported as Pre-Norm",
         "a Pre-Norm block where the family uses Post-Norm", "garbage at once",
         "TransformerLensOrg/TransformerLens #509",
-        lambda m: any(l["norms"]["attn_res_norm"] or l["norms"]["mlp_res_norm"] for l in m["layers"]), _post_as_pre, op="attn_in"),
+        lambda m: any(n.attn_res_norm is not None or n.mlp_res_norm is not None for n in _block_norms(m)),
+        _post_as_pre, op="attn_in"),
     Bug("sandwich-post-norm-dropped", "the post-attention / post-feedforward norms skipped",
         "the block without its post-sublayer norms", "garbage at once",
         "google/flax #4567",
-        lambda m: any(l["norms"][s] for l in m["layers"] for s in BLOCK_POST), _post_dropped, op="attn_out"),
+        lambda m: any(n.attn_post_norm is not None or n.mlp_post_norm is not None for n in _block_norms(m)),
+        _each(_block_norms, attn_post_norm=None, mlp_post_norm=None), op="attn_out"),
     Bug("qk-norm-dropped", "q/k norms skipped", "attention without its q/k norms", "garbage at once",
         "arcee-ai/mergekit #602, PR #699; lmstudio-ai/mlx-engine #283",
-        lambda m: _has(m, lambda a: a["qk_norm"] != "none"), _qk_dropped, op="attn.q_norm"),
+        lambda m: _has(m, lambda a: a.qk_norm != "none"), _each(_attention, qk_norm="none", q_norm=None, k_norm=None),
+        op="attn.q_norm"),
     Bug("qk-norm-per-head", "full-width QK-Norm applied per head",
         "the q/k norms taken per head instead of over the full projection width", "subtle",
         "ggml-org/llama.cpp PR #12400; vllm-project/vllm-metal #692",
-        lambda m: _has(m, lambda a: a["qk_norm"] == "full_width"), _qk_per_head, op="attn.q_norm"),
+        lambda m: _has(m, lambda a: a.qk_norm == "full_width"), _qk_per_head, op="attn.q_norm"),
     Bug("qk-norm-across-heads", "a per-head QK-norm taken over all heads at once (the full q/k width)",
         "the q/k norms taken over all heads instead of per head", "subtle",
         "vllm-project/vllm PR #16311",
-        lambda m: _has(m, lambda a: a["qk_norm"] == "per_head"), _qk_across_heads, op="attn.q_norm",
+        lambda m: _has(m, lambda a: a.qk_norm == "per_head"), _qk_across_heads, op="attn.q_norm",
         # a norm after RoPE (Llama 4) first shows in the rotated queries, where a side reads no norm of its own
         also=("attn.q_rope",)),
     Bug("v-norm-dropped", "v norm skipped", "attention without its v-norm", "subtle",
         "no public instance found",
-        lambda m: _has(m, lambda a: a["v_norm"] is not None), _v_dropped, op="attn.context"),
+        lambda m: _has(m, lambda a: a.v_norm is not None), _each(_attention, v_norm=None), op="attn.context"),
     Bug("attn-softcap-dropped", "attention logit softcap skipped", "attention without its logit softcap",
         "degrades on long prompts",
         "vllm-project/vllm PR #5908, #6051, #7022; huggingface/transformers #31887, #32877; "
         "EricLBuehler/candle-vllm #84",
-        lambda m: _has(m, lambda a: bool(a["softcap"])), _softcap_dropped, op="attn.scores"),
+        lambda m: _has(m, lambda a: bool(a.softcap)), _each(_attention, softcap=None), op="attn.scores"),
     Bug("final-softcap-dropped", "final logit softcap skipped", "logits without their final softcap", "subtle",
         "ggml-org/llama.cpp PR #8197, PR #8156; ollama/ollama #5341",
-        lambda m: bool(m["head"] and m["head"]["softcap"]), _final_softcap_dropped),
+        lambda m: m.head is not None and bool(m.head.softcap), _each(_head, softcap=None)),
     Bug("attn-scale-wrong", "1/sqrt(head_dim) used where `query_pre_attn_scalar` rules, or the reverse",
         "attention scaled by 1/sqrt(head_dim)", "subtle",
         "ggml-org/llama.cpp PR #8197, #8444, #13951; google/gemma_pytorch #71",
         # MLA's scale under YaRN carries mscale ** 2 by design: that factor dropped is mla-softmax-mscale-dropped
-        lambda m: _has(m, lambda a: abs(a["scale"] / _mla_mscale(a) - _plain_scale(a)) > 1e-9 * a["scale"]),
-        _scale_wrong, op="attn.scores"),
+        lambda m: _has(m, lambda a: abs(a.scale / _mla_mscale(a) - _plain_scale(a)) > 1e-9 * a.scale),
+        _each(_attention, scale=_plain_scale), op="attn.scores"),
     Bug("mla-softmax-mscale-dropped", "MLA's softmax scale without the YaRN mscale ** 2 (0.1 * mscale_all_dim * "
         "ln(factor) + 1, squared) that DeepSeek multiplies into it", "MLA's softmax scale without YaRN's mscale ** 2",
         "subtle", "onnxruntime/mobius PR #548; huggingface/transformers PR #47435",
-        lambda m: _has(m, lambda a: _mla_mscale(a) != 1.0), _mla_mscale_dropped, op="attn.scores"),
+        lambda m: _has(m, lambda a: _mla_mscale(a) != 1.0), _each(_attention, scale=lambda a: a.scale / _mla_mscale(a)),
+        op="attn.scores"),
     Bug("attn-softcap-added", f"an attention logit softcap ({ADDED_ATTN_SOFTCAP:g}, Gemma 2's) where the family has "
         "none", "attention scores capped where the model caps none", "subtle", "no public instance found",
-        lambda m: bool(m["layers"]) and not _has(m, lambda a: bool(a["softcap"])), _attn_softcap_added,
-        op="attn.scores"),
+        lambda m: bool(m.layers) and not _has(m, lambda a: bool(a.softcap)),
+        _each(_attention, softcap=ADDED_ATTN_SOFTCAP), op="attn.scores"),
     Bug("final-softcap-added", f"a final logit softcap ({ADDED_FINAL_SOFTCAP:g}) where the family has none",
         "logits capped where the model caps none", "subtle", "ollama/ollama PR #9692",
         # where the logits are scaled down (Cohere's 0.0625, Granite's 1/8) a tiny model's logits sit far below the
         # cap, which then changes nothing a check can tell from float32 noise: not catalogued there
-        lambda m: bool(m["head"]) and not m["head"]["softcap"] and m["head"].get("scale", 1.0) >= 1.0,
-        _final_softcap_added),
+        lambda m: m.head is not None and not m.head.softcap and m.head.scale >= 1.0,
+        _each(_head, softcap=ADDED_FINAL_SOFTCAP)),
     Bug("embed-scale-added", "embeddings multiplied by sqrt(hidden) where the family does not scale them",
         "embeddings scaled where the model scales none", "garbage at once", "no public instance found",
-        lambda m: m["embedding"]["scale"] == 1.0 and m["embedding"]["positions"] == "rope", _embed_scale_added),
+        lambda m: m.embedding.scale == 1.0 and m.embedding.positions == "rope", _embed_scale_added),
     Bug("embed-scale-rounded", "the embedding scale rounded to bfloat16 in a float32 run (sqrt(hidden) as bf16)",
         "an embedding scale rounded to bfloat16", "subtle", "no public instance found",
-        lambda m: m["embedding"]["scale"] != 1.0 and _bf16_inexact(m["embedding"]["scale"]), _embed_scale_rounded,
-        width=96),
+        lambda m: m.embedding.scale != 1.0 and _bf16_inexact(m.embedding.scale),
+        _each(_embedding, scale_dtype="bfloat16"), width=96),
     Bug("embed-scale-dropped", "embeddings not multiplied by their scale (sqrt(hidden); Granite's multiplier)",
         "embeddings without their scale", "garbage at once",
         "vllm-project/vllm PR #48010",
-        lambda m: m["embedding"]["scale"] != 1.0, _embed_scale_dropped),
+        lambda m: m.embedding.scale != 1.0, _each(_embedding, scale=1.0)),
     Bug("gelu-variant-swapped", "exact GELU where tanh GELU is meant, or the reverse",
         "the MLP with the other GELU variant", "subtle",
         "huggingface/transformers PR #29402; vllm-project/vllm #3337; ml-explore/mlx-examples #579",
-        lambda m: any(s["activation"] in GELU_SWAP for s in _activations(m)), _swap(GELU_SWAP), op="mlp.act"),
+        lambda m: any(s.activation in GELU_SWAP for s in _activations(m)), _swap(GELU_SWAP), op="mlp.act"),
     Bug("activation-swapped", "silu where gelu is meant, or the reverse", "the MLP with the wrong activation",
         "garbage at once", "huggingface/candle #3745",
-        lambda m: any(l["mlp"]["gated"] for l in m["layers"]), _swap(ACT_SWAP), op="mlp.act"),
+        lambda m: any(layer.mlp.gated for layer in m.layers), _swap(ACT_SWAP), op="mlp.act"),
     Bug("rope-permuted", "q/k rotated as interleaved pairs where the checkpoint is half-split, or the reverse",
         "RoPE applied in the other pairing (half-split vs interleaved)", "garbage at once",
         "ggml-org/llama.cpp #2376, PR #3364; ml-explore/mlx-examples #170; karpathy/llama2.c #286",
-        lambda m: _has(m, lambda a: a["rope"] is not None), _rope_permuted, op="attn.q_rope",
+        lambda m: bool(m.ropes()),
+        _each(Manifest.ropes, style=lambda r: "interleaved" if r.style == "half" else "half"), op="attn.q_rope",
         # a side that restores permuted q/k rows to the checkpoint's order (llama.cpp: parity/ports/gguf/ops.py) shows
         # rows written in the other layout at the projection already
         also=("attn.q",)),
     Bug("rope-theta-wrong", "RoPE base not taken from the config (e.g. 10000)",
         "RoPE with a different base", "degrades on long prompts",
         "ggml-org/llama.cpp PR #2768, #2773; vllm-project/vllm PR #29111; stanford-crfm/levanter #649",
-        lambda m: _has(m, lambda a: a["rope"] is not None), _theta_wrong, op="attn.q_rope"),
+        lambda m: bool(m.ropes()), _each(Manifest.ropes, theta=lambda r: 10000.0 if r.theta != 10000.0 else 1000000.0),
+        op="attn.q_rope"),
     Bug("rope-scaling-dropped", "the config's RoPE scaling (linear, llama3, yarn, longrope, dynamic) not applied: "
         "the plain frequencies", "RoPE without its scaling", "degrades on long prompts",
         "lablup/mlxcel #1355, #1340; Blaizzy/mlx-vlm PR #1709",
-        lambda m: bool(_scaled(m)), _rope_scaling_dropped, op="attn.q_rope"),
+        lambda m: bool(_scaled(m)), _each(_scaled, scaling=None), op="attn.q_rope"),
     Bug("rope-scaling-wrong-layers", "the RoPE scaling applied on the layer types that go without it, and not on "
         "those that have it (Gemma 3: the global layers)", "RoPE scaled on the other layer type",
         "degrades on long prompts", "ollama/ollama PR #13452",
@@ -687,12 +542,16 @@ CATALOG: list[Bug] = [
     Bug("partial-rotary-as-full", "RoPE over the whole head where the family rotates part of it "
         "(partial_rotary_factor, rotary_dim)", "RoPE rotating every dimension of the head", "garbage at once",
         "AI-Hypercomputer/maxtext PR #4742",
-        lambda m: bool(_partial(m)), _partial_as_full, op="attn.q_rope"),
+        lambda m: bool(_partial(m)), _each(_partial, rotary_dim=lambda r: r.head_dim), op="attn.q_rope"),
     Bug("partial-rotary-over-head-width", "partial RoPE with its frequencies and pairs spaced by the head's width: "
         "theta ** (-2j / head_dim), pairs (j, j + head_dim / 2), where the family uses rotary_dim",
         "partial RoPE spaced by the head's width instead of the rotated width", "degrades on long prompts",
         "pie-project/pie #602, PR #603",
-        lambda m: bool(_head_width_rotary(m)), _rotary_over_head_width, op="attn.q_rope"),
+        lambda m: bool(_head_width_rotary(m)),
+        # the first rotary_dim / 2 pairs turn, each (j, j + head_dim / 2) at theta ** (-2j / head_dim): Gemma 4's
+        # proportional RoPE at the family's partial factor
+        _each(_head_width_rotary, rotary_dim=lambda r: r.head_dim, scaling=lambda r: {
+            "rope_type": "proportional", "partial_rotary_factor": r.rotary_dim / r.head_dim}), op="attn.q_rope"),
     Bug("proportional-rotary-as-contiguous", "proportional RoPE (pairs across the whole head, the tail's frequencies "
         "0) rotated as a contiguous block: pairs (j, j + turning) inside the first 2 * turning dims",
         "proportional RoPE paired inside its rotated block instead of across the head", "garbage at once",
@@ -701,45 +560,46 @@ CATALOG: list[Bug] = [
     Bug("yarn-attention-factor-dropped", "YaRN's cos/sin factor (attention_factor, by default 0.1 ln(factor) + 1) "
         "not applied", "YaRN without its attention factor on cos and sin", "subtle",
         "turboderp-org/exllamav3 #259",
-        lambda m: any(_yarn_attention(r) != 1.0 for r in _yarns(m)), _yarn_attention_dropped, op="attn.q_rope"),
+        lambda m: any(_yarn_attention(r) != 1.0 for r in _yarns(m)), _rescaled(_yarns, attention_factor=1.0),
+        op="attn.q_rope"),
     Bug("yarn-attention-factor-wrong", "YaRN's cos/sin factor computed as 0.1 ln(factor) + 1 where the config sets "
         "it (attention_factor, or mscale / mscale_all_dim)", "YaRN with the default attention factor instead of "
         "the config's", "subtle", "sgl-project/sglang PR #22711; vllm-project/vllm PR #46280",
         lambda m: any(_yarn_attention(r) != _yarn_attention(r, plain=True) for r in _yarns(m)),
-        _yarn_attention_plain, op="attn.q_rope"),
+        _rescaled(_yarns, attention_factor=lambda r: _yarn_attention(r, plain=True)), op="attn.q_rope"),
     Bug("longrope-long-factors-early", "LongRoPE's long factors applied to a sequence within "
         "original_max_position_embeddings (the set picked by the context allocated, not the sequence's length)",
         "LongRoPE rotating a short sequence with its long factors", "subtle",
         "ggml-org/llama.cpp #24823; lablup/mlxcel #1358",
-        lambda m: bool(_longropes(m)), _long_factors_early, short=True, op="attn.q_rope"),
+        lambda m: bool(_longropes(m)), _rescaled(_longropes, short_factor=lambda r: list(r.scaling.get("long_factor"))),
+        short=True, op="attn.q_rope"),
     Bug("longrope-short-factors-late", "LongRoPE's short factors kept past original_max_position_embeddings (the set "
         "never switched, or picked by a context no longer than the original)",
         "LongRoPE rotating a long sequence with its short factors", "degrades on long prompts",
         "no public instance found",
-        lambda m: bool(_longropes(m)), _short_factors_late, op="attn.q_rope"),
+        lambda m: bool(_longropes(m)), _rescaled(_longropes, long_factor=lambda r: list(r.scaling.get("short_factor"))),
+        op="attn.q_rope"),
     Bug("sliding-window-ignored", "sliding-window layers attend globally",
         "sliding-window layers attending globally", "degrades on long prompts",
         "vllm-project/vllm PR #5908, #2064; ggml-org/llama.cpp #3371, #3377, PR #8227, #7709, PR #13676; "
         "sgl-project/sglang PR #4823",
-        lambda m: _has(m, lambda a: bool(a["sliding_window"])), _window_ignored, op="attn.scores"),
+        lambda m: _has(m, lambda a: bool(a.sliding_window)), _each(_attention, sliding_window=None), op="attn.scores"),
     Bug("sliding-window-added", f"a sliding window (here {ADDED_SLIDING_WINDOW}) on layers that attend globally, "
         "in a family with no windowed layer", "a sliding window where the model attends globally",
         "degrades on long prompts", "ggml-org/llama.cpp PR #13676",
-        lambda m: not _has(m, lambda a: bool(a["sliding_window"])) and _has(m, lambda a: a["causal"]),
-        _window_added, op="attn.scores", sized=_window_sized),
+        lambda m: not _has(m, lambda a: bool(a.sliding_window)) and bool(_causal(m)),
+        _each(_causal, sliding_window=ADDED_SLIDING_WINDOW), op="attn.scores", sized=_window_sized),
     Bug("chunked-attention-as-full", "chunked-attention layers attend to every earlier key, across chunks",
         "chunked-attention layers attending across their chunks", "degrades on long prompts",
         "no public instance found",
-        lambda m: _has(m, lambda a: bool(a.get("chunk_size"))), _chunks_ignored, op="attn.scores"),
+        lambda m: _has(m, lambda a: bool(a.chunk_size)), _each(_attention, chunk_size=None), op="attn.scores"),
     Bug("attention-temperature-dropped", "the queries of the tuned layers not scaled by log1p(floor((position + 1) "
         "/ floor_scale)) * attn_scale + 1", "attention without its temperature tuning", "degrades on long prompts",
         "no public instance found",
-        lambda m: _has(m, lambda a: bool(a.get("temperature"))), _temperature_dropped, op="attn.q_rope"),
+        lambda m: _has(m, lambda a: a.temperature is not None), _each(_attention, temperature=None), op="attn.q_rope"),
     Bug("qkv-bias-dropped", "q/k/v biases skipped", "attention without its q/k/v biases", "garbage at once",
         "EricLBuehler/candle-vllm #167",
-        lambda m: any(n.split(".", 2)[2] in ("attn.q.bias", "attn.k.bias", "attn.v.bias", "attn.q_a.bias",
-                                               "attn.kv_a.bias") for n in m["tensors"] if n.startswith("layers.")),
-        _qkv_bias_dropped, op="attn.q"),
+        lambda m: bool(_qkv_biases(m.tensors)), _qkv_bias_dropped, op="attn.q"),
     Bug("conv1d-not-transposed", "GPT-2 Conv1D weights used as `[out, in]` without transposing",
         "the Conv1D weights used untransposed", "garbage at once",
         "AutoGPTQ/AutoGPTQ PR #139; karpathy/nanoGPT model.py (its explicit Conv1D transpose list)",
@@ -747,36 +607,37 @@ CATALOG: list[Bug] = [
     Bug("tied-embeddings-broken", "lm_head not tied to the embeddings where the config ties them",
         "an LM head that is not the embedding matrix", "garbage at once",
         "NVIDIA/TensorRT-LLM PR #1799, #1733, #2585; arcee-ai/mergekit #350, #615; sgl-project/sglang #630",
-        lambda m: bool(m["head"] and m["head"]["tied"]), _untied),
+        lambda m: m.head is not None and m.head.tied, _untied),
     Bug("mla-norm-dropped", "`q_a_layernorm` / `kv_a_layernorm` skipped", "MLA without its two latent norms",
         "garbage at once", "no public instance found",
-        lambda m: _has(m, lambda a: a["mla"] is not None), _mla_dropped, op="attn.q"),
+        lambda m: bool(_mlas(m)), _each(_mlas, q_a_norm=None, kv_a_norm=None), op="attn.q"),
     Bug("nope-given-rope", "RoPE applied on the layers that go without (NoPE)", "NoPE layers rotated like the others",
         "garbage at once", "no public instance found",
         _has_nope, _nope_given_rope, op="attn.q_rope"),
     Bug("logit-scale-dropped", "logits not multiplied by the logit scale (Cohere's logit_scale, Granite's "
         "1 / logits_scaling)", "logits without their scale", "subtle", "no public instance found",
-        lambda m: bool(m["head"]) and m["head"].get("scale", 1.0) != 1.0, _logit_scale_dropped),
+        lambda m: m.head is not None and m.head.scale != 1.0, _each(_head, scale=1.0)),
     Bug("residual-scale-dropped", "sublayer outputs added to the residual stream without the residual multiplier",
         "a residual stream without its multiplier", "garbage at once", "no public instance found",
-        lambda m: any(layer.get("residual_scale", 1.0) != 1.0 for layer in m["layers"]), _residual_scale_dropped,
-        op="mid"),
+        lambda m: any(layer.residual_scale != 1.0 for layer in m.layers), _each(_layers, residual_scale=1.0), op="mid"),
     Bug("attention-sinks-dropped", "attention softmax without the learned per-head sink logit",
         "attention without its sinks (the weights over the keys summing to 1)", "garbage at once",
         "no public instance found",
-        lambda m: _has(m, lambda a: bool(a.get("sinks"))), _sinks_dropped, op="attn.probs"),
+        lambda m: _has(m, lambda a: a.sinks),
+        # the softmax over the keys alone: each query's weights sum to 1
+        _each(_attention, sinks=False), op="attn.probs"),
     Bug("clamp-dropped", "the clamped SwiGLU run without its clamps (gate to at most the limit, up to +-limit)",
         "the gated unit without its clamps", "subtle", "no public instance found",
-        lambda m: any(s.get("glu_limit") is not None for s in _glus(m)), _clamp_dropped, op="mlp.act"),
+        lambda m: any(s.glu_limit is not None for s in _glus(m)), _each(_glus, glu_limit=None), op="mlp.act"),
     Bug("glu-up-offset-dropped", "the `+ 1` on up dropped: act(gate) * up where the family computes "
         "act(gate) * (up + 1)", "the gated unit without the offset on up", "garbage at once",
         "no public instance found",
-        lambda m: any(s.get("glu_up_offset", 0.0) for s in _glus(m)), _up_offset_dropped, op="mlp.act"),
+        lambda m: any(s.glu_up_offset for s in _glus(m)), _each(_glus, glu_up_offset=0.0), op="mlp.act"),
     Bug("parallel-residual-sequential", "a parallel-residual block (attention and MLP both on the layer's input) "
         "run sequentially", "the MLP reading the stream after attention instead of the layer's input",
         "garbage at once",
         "no public instance found",
-        lambda m: any(layer["mlp"].get("parallel") for layer in m["layers"]), _sequential, op="mlp_in"),
+        lambda m: any(layer.mlp.parallel for layer in m.layers), _sequential, op="mlp_in"),
     Bug("fused-qkv-split-wrong", "a fused QKV laid out per head [heads, 3, head_dim] split as three blocks "
         "[3, heads, head_dim]", "q, k and v cut from the fused projection as three blocks", "garbage at once",
         "no public instance found",
@@ -784,15 +645,16 @@ CATALOG: list[Bug] = [
     Bug("shared-expert-gate-dropped", "the shared expert's output added without its sigmoid gate "
         "(sigmoid(shared_expert_gate(x)))", "the MoE block with its shared expert ungated", "garbage at once",
         "no public instance found",
-        lambda m: bool(_shared_gated(m)), _shared_gate_dropped, op="mlp_out"),
+        lambda m: bool(_shared_gated(m)),
+        _each(_shared_gated, shared_gate=False), op="mlp_out"),  # the shared experts' output added as it is
     Bug("moe-weights-on-output", "routing weights multiplied into the experts' outputs where the family scales "
         "their input (experts(x * w))", "the MoE block weighting its experts' outputs instead of their input",
         "subtle", "no public instance found",
-        lambda m: any(moe.get("weights_input") for moe in _moes(m)), _weights_moved, op="mlp_out"),
+        lambda m: any(moe.weights_input for moe in m.moes()), _weights_moved, op="mlp_out"),
     Bug("moe-weights-on-input", "routing weights multiplied into the experts' input where the family weighs "
         "their outputs", "the MoE block scaling its experts' input instead of weighting their outputs",
         "garbage at once", "no public instance found",
-        lambda m: any(not moe.get("weights_input") for moe in _moes(m)), _weights_moved, op="mlp_out"),
+        lambda m: any(not moe.weights_input for moe in m.moes()), _weights_moved, op="mlp_out"),
     Bug("moe-topk-renormalised", "the top-k routing weights divided by their sum (or a softmax taken over the "
         "top-k logits only) where the family keeps them as they are (norm_topk_prob false)",
         "the MoE block renormalising its top-k weights", "subtle", "QwenLM/Qwen3 #687",
@@ -807,15 +669,15 @@ CATALOG: list[Bug] = [
         decodes, _cache_policy(position_offset=1), decode=True),
     Bug("sliding-window-cache-off-by-one", "a sliding-window cache that wraps one slot early",
         "a sliding-window cache holding one key fewer than the window", "decode only", "no public instance found",
-        lambda m: decodes(m) and _has(m, lambda a: bool(a["sliding_window"])), _cache_policy(window_slack=-1),
+        lambda m: decodes(m) and _has(m, lambda a: bool(a.sliding_window)), _cache_policy(window_slack=-1),
         decode=True),
     Bug("kv-cache-wrong-layer", "each layer's keys and values written to the next layer's cache slot",
         "layers reading another layer's cached keys and values", "decode only", "no public instance found",
-        lambda m: decodes(m) and len(m["layers"]) > 1 and _uniform_kv(m), _cache_policy(layer_shift=1),
+        lambda m: decodes(m) and len(m.layers) > 1 and _uniform_kv(m), _cache_policy(layer_shift=1),
         decode=True),
     Bug("decode-softcap-dropped", "the decode kernel skips the attention softcap the prefill applies",
         "decode steps without the attention softcap", "decode only", "no public instance found",
-        lambda m: decodes(m) and _has(m, lambda a: bool(a["softcap"])), _cache_policy(decode_softcap=False),
+        lambda m: decodes(m) and _has(m, lambda a: bool(a.softcap)), _cache_policy(decode_softcap=False),
         decode=True),
     Bug("longrope-switch-keeps-cache", "LongRoPE's factor set switched mid-sequence (a decode step past "
         "original_max_position_embeddings) while the cache keeps the keys rotated with the short factors, where "
@@ -826,8 +688,8 @@ CATALOG: list[Bug] = [
         short=True),
     Bug("kv-heads-order-swapped", "cached kv heads stored in another order (GQA groups read the wrong head)",
         "cached keys and values with their kv heads reversed", "decode only", "no public instance found",
-        lambda m: decodes(m) and _has(m, lambda a: a["mla"] is None and a["kv_shared_from"] is None
-                                       and a["kv_heads"] > 1), _cache_policy(kv_head_order="reversed"),
+        lambda m: decodes(m) and _has(m, lambda a: a.mla is None and a.kv_shared_from is None and a.kv_heads > 1),
+        _cache_policy(kv_head_order="reversed"),
         decode=True),
 ]
 
@@ -840,14 +702,14 @@ def get(bug_id: str) -> Bug:
     return BY_ID[bug_id]
 
 
-def applicable(manifest: dict) -> list[Bug]:
+def applicable(manifest: Manifest) -> list[Bug]:
     return [b for b in CATALOG if b.applies(manifest)]
 
 
-def applicable_at_width(manifest_at: Callable[[int | None], dict]) -> list[Bug]:
+def applicable_at_width(manifest_at: Callable[[int | None], Manifest]) -> list[Bug]:
     """The bugs that apply to a family, each judged at its selftest's width (``manifest_at(width)``: the family's
     manifest at that hidden size; None: the tiny one): a rounding that 64 leaves exact may show at 96."""
-    held: dict[int | None, dict] = {}
+    held: dict[int | None, Manifest] = {}
     out = []
     for b in CATALOG:
         width = b.width
@@ -858,19 +720,19 @@ def applicable_at_width(manifest_at: Callable[[int | None], dict]) -> list[Bug]:
     return out
 
 
-def inject(bug_id: str, manifest: dict, tensors: Tensors, families: dict[str, list[str]] | None = None,
-           start: int | None = None) -> tuple[dict, Tensors]:
+def inject(bug_id: str, manifest: Manifest, tensors: Tensors, families: dict[str, list[str]] | None = None,
+           start: int | None = None) -> tuple[Manifest, Tensors]:
     """A copy of (manifest, tensors) with the mistake applied; exit 2 if it does not apply. ``start``: the position
     where the candidate's error starts, which sizes a mistake that has a size (Bug.sized)."""
     bug = get(bug_id)
     if not bug.applies(manifest):
         where = f" it applies to {', '.join(families[bug_id])}" if families else ""
-        raise ParityError(f"bug {bug_id} does not apply to this {manifest['source']['family']} model;{where}")
-    m, t = copy.deepcopy(manifest), dict(tensors)
+        raise ParityError(f"bug {bug_id} does not apply to this {manifest.source.family} model;{where}")
+    m, t = manifest.model_copy(deep=True), dict(tensors)
     bug.inject(m, t)
     if start and bug.sized:
         bug.sized(m, start)
-    m["injected"] = bug_id
+    m.injected = bug_id
     return m, t
 
 

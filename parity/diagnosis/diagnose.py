@@ -15,8 +15,14 @@ from pathlib import Path
 
 import torch
 
+from parity.checkpoint import open_checkpoint
 from parity.compare import metrics
 from parity.diagnosis import bugs
+from parity.names import layer_of, point_order
+from parity.neutral.converter import build_manifest, convert, neutral_subset
+from parity.neutral.executor.model import NeutralModel
+from parity.neutral.manifest import load
+from parity.neutral.model import Manifest
 
 # A hypothesis explains the candidate when its residual is below this share of the candidate's error.
 EXPLAINS = 0.05
@@ -29,9 +35,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return metrics(a, b)["rel_l2"]
 
 
-def _run(manifest: dict, tensors: dict, dtype: torch.dtype, ids: torch.Tensor, wanted: set[str]) -> dict:
-    from parity.neutral.executor.model import NeutralModel
-
+def _run(manifest: Manifest, tensors: dict, dtype: torch.dtype, ids: torch.Tensor, wanted: set[str]) -> dict:
     got: dict[str, torch.Tensor] = {}
     NeutralModel(manifest, tensors, dtype)(ids, on_point=lambda n, t: got.setdefault(n, t.clone()) if n in wanted
                                            else None)
@@ -54,18 +58,15 @@ def position_evidence(first: int | None, length: int) -> str:
     return f"; the error starts at position {first} of {length} (earlier positions agree)"
 
 
-def _one_layer(reference_dir: Path, layer: int, adapter_dirs) -> tuple[dict, dict] | None:
+def _one_layer(reference_dir: Path, layer: int, adapter_dirs) -> tuple[Manifest, dict] | None:
     """The reference's manifest and only what layer ``layer`` reads (its tensors and the small ones outside the
     layers), converted without reading the rest; None where a layer needs more (another layer's keys and
     values, per-layer inputs computed from the embedding)."""
-    from parity.checkpoint import open_checkpoint
-    from parity.neutral.converter import build_manifest, neutral_subset
-
     ckpt = open_checkpoint(Path(reference_dir), adapter_dirs)
     style = ckpt.resolved["positions.rope_style"]
     manifest = build_manifest(ckpt, torch.float32, style, hashes=False)
-    spec = manifest["layers"][layer]
-    if spec["attention"].get("kv_shared_from") is not None or spec.get("per_layer_input") is not None:
+    spec = manifest.layers[layer]
+    if spec.attention.kv_shared_from is not None or spec.per_layer_input is not None:
         return None
     large = ("embed.tokens.weight", "embed.per_layer_tokens.weight", "lm_head.weight")
     own = f"layers.{layer}."
@@ -74,10 +75,8 @@ def _one_layer(reference_dir: Path, layer: int, adapter_dirs) -> tuple[dict, dic
     return manifest, tensors
 
 
-def _run_layer(manifest: dict, tensors: dict, dtype: torch.dtype, layer: int, x: torch.Tensor,
+def _run_layer(manifest: Manifest, tensors: dict, dtype: torch.dtype, layer: int, x: torch.Tensor,
                wanted: set[str]) -> dict:
-    from parity.neutral.executor.model import NeutralModel
-
     got: dict[str, torch.Tensor] = {}
     model = NeutralModel(manifest, tensors, dtype)
     positions = torch.arange(x.shape[1])
@@ -98,8 +97,6 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
     Otherwise (a point outside the layers) the whole reference is converted and run per hypothesis, and the
     final output must be reproduced too. With a ``drilldown`` (parity.checker.drill), a hypothesis whose mistake
     first shows at another op than the one that diverged first is dropped, and an ``unknown`` names that op."""
-    from parity.names import layer_of
-
     final = next((n for n in ("logits", "final_norm") if n in candidate), None)
     layer = layer_of(point)
     local = _one_layer(reference_dir, layer, adapter_dirs) if layer is not None and layer_input is not None else None
@@ -108,9 +105,6 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
         wanted = {point}
         run = lambda m, t: _run_layer(m, t, dtype, layer, layer_input, wanted)  # noqa: E731
     else:
-        from parity.neutral.converter import convert
-        from parity.neutral.manifest import load
-
         wanted = {point} | ({final} if final else set())
         with tempfile.TemporaryDirectory(prefix="parity-diagnose-") as tmp:
             convert(reference_dir, Path(tmp) / "reference", adapter_dirs=adapter_dirs)
@@ -155,8 +149,6 @@ def consistent(bug_op: str | None, drilldown: dict | None) -> bool:
 
 
 def _before(a: str, b: str) -> bool:
-    from parity.names import point_order
-
     return point_order(a) < point_order(b)
 
 
@@ -196,10 +188,6 @@ def diagnose_decode(reference_dir: Path, kept: dict, ids: torch.Tensor, tokens: 
     cache policy) and the others alike (a sliding window ignored shows only once decoding passes the window),
     is run by the executor from the converted reference: the prompt, then the same tokens, one step at a time
     with its cache, to the failing step."""
-    from parity.neutral.converter import convert
-    from parity.neutral.executor.model import NeutralModel
-    from parity.neutral.manifest import load
-
     step, point = kept["step"], kept["point"]
     candidate, reference = kept["candidate"], kept["reference"]
     logits = kept.get("logits", {}).get(step)
@@ -207,7 +195,7 @@ def diagnose_decode(reference_dir: Path, kept: dict, ids: torch.Tensor, tokens: 
         convert(reference_dir, Path(tmp) / "reference", adapter_dirs=adapter_dirs)
         manifest, tensors = load(Path(tmp) / "reference")
 
-    def run(m: dict, t: dict) -> dict:
+    def run(m: Manifest, t: dict) -> dict:
         model = NeutralModel(m, t, dtype)
         cache = model.new_cache()
         model(ids, cache=cache)

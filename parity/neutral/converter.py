@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Container, Iterator
 
 from parity import __version__, names
-from parity.adapter import Resolved, ResolvedNorm, ResolvedTensor, rope_settings
+from parity.adapter import ResolvedTensor
+from parity.adapter.declared import Source, fill
 from parity.checkpoint import Checkpoint, open_checkpoint, stored_tensor_map
 from parity.errors import ParityError
-from parity.neutral.manifest import BLOCK_NORMS, DTYPE_NAMES, FORMAT, FORMAT_VERSION, MANIFEST
+from parity.neutral.model import DTYPE_NAMES, FORMAT, MANIFEST, File, Layer, Manifest, SourceInfo, Tensor
 from parity.storage import atomic
 from parity.storage.quantization import dequantize, quantized_weights, rounding_error
 from parity.storage.shards import (
@@ -65,174 +66,37 @@ RING = 4  # buffers of READ_CHUNK that a streamed tensor's pieces cycle through,
 # Manifest
 
 
-def _norm(r: Resolved, n: ResolvedNorm | None) -> dict | None:
-    if n is None:
-        return None
-    return {
-        "kind": r["norm.kind"],
-        "eps": n.eps,
-        "weight": n.has_weight,
-        "bias": n.has_bias,
-        "upcast": r["norm.upcast"],
-        "weight_dtype": r["norm.weight_dtype"],  # "float32": y * w in float32, then cast; "model": cast, then * w
-        "folded_offset": n.weight == "one_plus_weight",  # stored as 1 + w: apply as a plain weight
-    }
-
-
-def layer_manifest(r: Resolved, i: int, rope_style: str) -> dict:
-    """Layer i's conventions as the manifest states them."""
-    norms = {n.neutral: n for n in r.norms if n.layer == i}
-
-    def norm(slot: str) -> dict | None:
-        return _norm(r, norms.get(f"layers.{i}.{slot}"))
-
-    at = lambda key: r.layer(key, i)  # noqa: E731 - a setting's value at this layer
-    attention = {
-        "kind": at("attention.kind"),
-        "heads": at("attention.heads"),
-        "kv_heads": at("attention.kv_heads"),
-        "head_dim": at("attention.head_dim"),
-        "scale": float(at("attention.scale")),
-        "softcap": at("attention.softcap"),
-        "causal": bool(at("attention.causal")),
-        "sliding_window": at("attention.sliding_window"),
-        "chunk_size": at("attention.chunk_size"),  # keys visible only within the query's chunk (Llama 4)
-        "temperature": None if at("attention.temperature_floor") is None else {  # queries scaled by position
-            "floor": at("attention.temperature_floor"), "scale": float(at("attention.temperature_scale"))},
-        "qk_norm": at("attention.qk_norm"),
-        "qk_norm_after_rope": bool(at("attention.qk_norm_after_rope")),
-        "q_norm": norm("attn.q_norm"),
-        "k_norm": norm("attn.k_norm"),
-        "v_norm": norm("attn.v_norm"),
-        "k_eq_v": bool(at("attention.k_eq_v")),
-        "kv_shared_from": at("attention.kv_shared_from"),
-        "rope": rope_settings(r, i, rope_style),
-        "mla": None,
-        "sinks": bool(at("attention.sinks")),  # a learned per-head logit joined to the softmax, then dropped
-    }
-    if attention["kind"] == "mla":
-        attention["mla"] = {
-            "q_lora_rank": at("attention.q_lora_rank"),
-            "kv_lora_rank": at("attention.kv_lora_rank"),
-            "qk_nope_head_dim": at("attention.qk_nope_head_dim"),
-            "qk_rope_head_dim": at("attention.qk_rope_head_dim"),
-            "v_head_dim": at("attention.v_head_dim"),
-            "q_a_norm": norm("attn.q_a_norm"),
-            "kv_a_norm": norm("attn.kv_a_norm"),
-        }
-    glu = {  # the gated unit's clamps, activation scale and up offset (GPT-OSS's clamped SwiGLU)
-        "glu_limit": None if at("mlp.glu_limit") is None else float(at("mlp.glu_limit")),
-        "glu_alpha": float(at("mlp.glu_alpha")),
-        "glu_up_offset": float(at("mlp.glu_up_offset")),
-    }
-    mlp = {
-        "gated": bool(at("mlp.gated")),
-        "activation": at("mlp.activation"),
-        "intermediate_size": at("mlp.intermediate_size"),
-        "moe": None,
-        **glu,
-        # the MLP reads the layer's input (through mlp_norm), beside attention: x + attn(...) + mlp(...)
-        "parallel": bool(at("mlp.parallel")),
-        "shared_norm": bool(at("mlp.shared_norm")),  # parallel, and it reads attention's input (attn_norm's output)
-    }
-    if at("mlp.moe"):
-        mlp["moe"] = {
-            "routing": at("mlp.moe_routing"),
-            "experts": at("mlp.experts"),
-            "top_k": at("mlp.experts_per_token"),
-            "groups": at("mlp.moe_groups"),
-            "groups_kept": at("mlp.moe_groups_kept"),
-            "renormalise": bool(at("mlp.moe_renormalise")),
-            "scale": at("mlp.moe_scale"),
-            "shared_experts": at("mlp.shared_experts"),
-            "shared_intermediate_size": at("mlp.moe_shared_intermediate_size"),
-            "shared_gate": bool(at("mlp.moe_shared_gate")),  # the shared experts' output times sigmoid(shared_gate(x))
-            "intermediate_size": at("mlp.moe_intermediate_size"),
-            "activation": at("mlp.activation"),
-            "router_norm": norm("moe.router_norm"),
-            "router_input_scale": at("mlp.moe_router_input_scale"),
-            "router_dtype": at("mlp.moe_router_dtype"),
-            "weights_dtype": at("mlp.moe_weights_dtype"),  # where the routing weights multiply the experts' outputs
-            "weights_input": bool(at("mlp.moe_weights_input")),  # they multiply the experts' input instead
-            **glu,  # the experts' gated units
-            "expert_norm": norm("moe_norm"),
-            "expert_post_norm": norm("moe_post_norm"),
-            "dense_post_norm": norm("mlp_dense_post_norm"),
-        }
-    return {
-        "norms": {slot: norm(slot) for slot in BLOCK_NORMS},
-        "attention": attention,
-        "mlp": mlp,
-        "per_layer_input": {"post_norm": norm("pli_post_norm")} if norms.get(f"layers.{i}.pli_post_norm") else None,
-        "residual_scale": float(at("norm.residual_scale")),  # each sublayer's output times this, then added
-    }
-
-
 def build_manifest(ckpt: Checkpoint, dtype: torch.dtype | str, rope_style: str, prefix: str | None = None,
-                   hashes: bool = True) -> dict:
-    """Every convention of the checkpoint as explicit values, and the tensors it becomes (files: by convert).
+                   hashes: bool = True) -> Manifest:
+    """Every convention of the checkpoint as explicit values, read off the adapter's resolved settings by the
+    neutral model's declarations (parity.neutral.model), and the tensors it becomes (files: by convert).
     ``hashes=False`` leaves the source files' hashes (``HASH``) out: a manifest for running, or one whose writer
     hashes the files as it reads them (convert, in its one pass). ``dtype``: a torch dtype or its name."""
     target = str(dtype).removeprefix("torch.")
     r = ckpt.resolved
     prefix = prefix if prefix is not None else ckpt.variant.tensor_prefix[0]
-    layers = [layer_manifest(r, i, rope_style) for i in range(r.num_layers)]
-    norms = {n.neutral: n for n in r.norms}
     vocab, hidden = next(t.shape for t in r.tensors if t.neutral == ("embed.tokens.weight",))
     has_logits = any(c.name == "logits" for c in r.capture)
-    pli = r["embedding.per_layer_input_size"]
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "written_by": f"parity {__version__}",
-        "dtype": target,
-        "source": {
-            "family": r.family,
-            "architecture": ckpt.variant.architectures[0],
-            "model_type": ckpt.config.get("model_type"),
-            "path": str(ckpt.path),
-            # the checkpoint's own q/k row order: the executor's ops are emitted in it (docs/ops.md)
-            "rope_style": r["positions.rope_style"] if r["positions.kind"] == "rope" else None,
-            "hash": HASH,  # of files (earlier manifests: "blake3" of the whole file, or none for sha256)
-            "files": {f.name: hash_file(f) for f in ckpt.files} if hashes else {},
-        },
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "num_layers": r.num_layers,
-        "rope_style": rope_style if r["positions.kind"] == "rope" else None,
-        "embedding": {
-            "scale": float(r["embedding.scale"]),
-            "scale_dtype": r["embedding.scale_dtype"],
-            "positions": r["positions.kind"],
-            "max_positions": r["positions.max_positions"],
-            "token_types": r["positions.token_types"] or 0,
-            "norm": _norm(r, norms.get("embed.norm")),
-            "per_layer_input": None if not pli else {
-                "size": pli,
-                "scale": float(pli ** 0.5),
-                "projection_scale": float(hidden ** -0.5),
-                "combine_scale": float(2 ** -0.5),
-                "norm": _norm(r, norms.get("embed.per_layer_norm")),
-            },
-        },
-        "layers": layers,
-        "final_norm": _norm(r, norms.get("final_norm")),
-        "head": None if not has_logits else {
-            "tied": bool(r["embedding.tied"]),
-            "softcap": r["embedding.final_softcap"],
-            "scale": float(r["embedding.logit_scale"]),  # the logits times this (Cohere, Granite), before any softcap
-            "transform": None if not r["embedding.head_transform"] else {
-                "activation": r["mlp.activation"], "norm": _norm(r, norms.get("head.norm"))},
-        },
-        # a parallel layer (its MLP beside attention) has no stream between the two adds: no `mid`
-        "capture_points": [p for p in names.capture_names(r.num_layers, final_norm=r["norm.final"], logits=has_logits)
-                           if not (p.endswith(".mid") and layers[names.layer_of(p)]["mlp"]["parallel"])],
-        # shapes and dtypes as written; "transposed": the source stored it [in, out] (GPT-2's Conv1D); "interleaved":
-        # it was one part of a fused tensor that held its parts interleaved in that many blocks (GPT-NeoX: per head)
-        "tensors": {name: {"shape": list(shape), "dtype": _stored_dtype(name, layers, target),
-                           "transposed": t.transpose, **({"interleaved": t.groups} if t.groups else {})}
-                    for t in r.tensor_map(prefix).values() for name, shape in _neutral_shapes(t)},
-    }
+    rope = r["positions.kind"] == "rope"
+    given = {"rope_style": rope_style, "hidden_size": hidden, "logits": has_logits}
+    layers = [fill(Layer, Source(r, i, given)) for i in range(r.num_layers)]
+    tensors = {name: Tensor(shape=list(shape), dtype=_stored_dtype(name, layers, target), transposed=t.transpose,
+                            interleaved=t.groups or 0)
+               for t in r.tensor_map(prefix).values() for name, shape in _neutral_shapes(t)}
+    source = SourceInfo(
+        family=r.family, architecture=ckpt.variant.architectures[0], model_type=ckpt.config.get("model_type"),
+        path=str(ckpt.path),
+        # the checkpoint's own q/k row order: the executor's ops are emitted in it (docs/ops.md)
+        rope_style=r["positions.rope_style"] if rope else None,
+        hash=HASH, files={f.name: hash_file(f) for f in ckpt.files} if hashes else {})
+    return fill(Manifest, Source(r, None, given), written_by=f"parity {__version__}", dtype=target, source=source,
+                vocab_size=vocab, hidden_size=hidden, num_layers=r.num_layers,
+                rope_style=rope_style if rope else None, layers=layers,
+                # a parallel layer (its MLP beside attention) has no stream between the two adds: no `mid`
+                capture_points=[p for p in names.capture_names(r.num_layers, final_norm=r["norm.final"],
+                                                               logits=has_logits)
+                                if not (p.endswith(".mid") and layers[names.layer_of(p)].mlp.parallel)],
+                tensors=tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,7 +137,7 @@ def _split(x: torch.Tensor, dim: int, sizes: tuple[int, ...], groups: int | None
             for p, size in zip(torch.split(blocks, [size // groups for size in sizes], dim=dim + 1), sizes)]
 
 
-def neutral_tensors(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool] = lambda name: True
+def neutral_tensors(ckpt: Checkpoint, manifest: Manifest, keep: Callable[[str], bool] = lambda name: True
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """The neutral tensors ``keep`` selects, one at a time, converted from the checkpoint's files without
     reading the rest: at the manifest's dtype, q/k rows in its RoPE style."""
@@ -287,13 +151,13 @@ def neutral_tensors(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool
             continue
         for name, y in to_neutral(t, files.read(hf_name)):
             if keep(name):
-                if name.startswith("layers."):
-                    y = restyle_rope(name, y, manifest["layers"][int(name.split(".")[1])], source_style,
-                                     manifest["rope_style"] or source_style)
-                yield name, y.to(getattr(torch, manifest["tensors"][name]["dtype"]))
+                layer = manifest.layer_of(name)
+                if layer is not None:
+                    y = restyle_rope(name, y, layer, source_style, manifest.rope_style or source_style)
+                yield name, y.to(getattr(torch, manifest.tensors[name].dtype))
 
 
-def neutral_subset(ckpt: Checkpoint, manifest: dict, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+def neutral_subset(ckpt: Checkpoint, manifest: Manifest, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
     """The neutral tensors ``keep`` selects (the diagnosis re-runs one layer of a model too big to convert whole)."""
     return dict(neutral_tensors(ckpt, manifest, keep))
 
@@ -305,25 +169,25 @@ def _neutral_shapes(t: ResolvedTensor) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in to_neutral(t, meta)]
 
 
-def _rope_rows(name: str, layer: dict) -> tuple[int, int, int] | None:
+def _rope_rows(name: str, layer: Layer) -> tuple[int, int, int] | None:
     """For a tensor whose rows (or q/k-norm entries) RoPE rotates: (block, offset, rotary_dim) per head."""
-    att = layer["attention"]
-    rope = att["rope"]
+    att = layer.attention
+    rope = att.rope
     if rope is None:
         return None
     short = name.split(".", 2)[2]  # drop "layers.{i}."
-    mla = att["mla"]
+    mla = att.mla
     if mla is not None:
-        qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
-        rot = mla["qk_rope_head_dim"]
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        rot = mla.qk_rope_head_dim
         if short in ("attn.q_b.weight", "attn.q.weight"):
-            return qk, mla["qk_nope_head_dim"], rot
+            return qk, mla.qk_nope_head_dim, rot
         if short in ("attn.kv_a.weight", "attn.kv_a.bias"):
-            return mla["kv_lora_rank"] + rot, mla["kv_lora_rank"], rot
+            return mla.kv_lora_rank + rot, mla.kv_lora_rank, rot
         return None
     if short in ("attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias", "attn.q_norm.weight",
                  "attn.k_norm.weight", "attn.q_norm.bias", "attn.k_norm.bias"):  # Phi's q/k LayerNorms: biased
-        return att["head_dim"], 0, rope["rotary_dim"]
+        return att.head_dim, 0, rope.rotary_dim
     return None
 
 
@@ -337,16 +201,16 @@ def _permute_rows(x: torch.Tensor, block: int, offset: int, perm: torch.Tensor, 
     return x.index_select(dim, index)
 
 
-def restyles(name: str, layer: dict, source: str, target: str) -> bool:
+def restyles(name: str, layer: Layer, source: str, target: str) -> bool:
     """Whether restyle_rope permutes tensor ``name`` (of a layer)."""
     if source == target:
         return False
-    att = layer["attention"]
+    att = layer.attention
     short = name.split(".", 2)[2] if name.startswith("layers.") else name
-    return _rope_rows(name, layer) is not None or (short == "attn.o.weight" and att["k_eq_v"] and att["mla"] is None)
+    return _rope_rows(name, layer) is not None or (short == "attn.o.weight" and att.k_eq_v and att.mla is None)
 
 
-def restyle_rope(name: str, x: torch.Tensor, layer: dict, source: str, target: str) -> torch.Tensor:
+def restyle_rope(name: str, x: torch.Tensor, layer: Layer, source: str, target: str) -> torch.Tensor:
     """Permute q/k rows (and what shares their layout) from ``source`` to ``target`` RoPE style."""
     if not restyles(name, layer, source, target):
         return x
@@ -358,11 +222,11 @@ def restyle_rope(name: str, x: torch.Tensor, layer: dict, source: str, target: s
     if rows is not None:
         block, offset, rot = rows
         return _permute_rows(x, block, offset, make(rot, rot))
-    att = layer["attention"]
-    if short == "attn.o.weight" and att["k_eq_v"] and att["mla"] is None:
+    att = layer.attention
+    if short == "attn.o.weight" and att.k_eq_v and att.mla is None:
         # values are the (permuted) key projection: o_proj's input columns follow them
-        rot = att["rope"]["rotary_dim"]
-        return _permute_rows(x, att["head_dim"], 0, make(rot, rot), dim=1)
+        rot = att.rope.rotary_dim
+        return _permute_rows(x, att.head_dim, 0, make(rot, rot), dim=1)
     return x
 
 
@@ -370,11 +234,11 @@ def restyle_rope(name: str, x: torch.Tensor, layer: dict, source: str, target: s
 # Convert
 
 
-def _stored_dtype(name: str, layers: list[dict], target: str) -> str:
+def _stored_dtype(name: str, layers: list[Layer], target: str) -> str:
     """The model dtype, except for tensors the model keeps in float32 whatever it runs in (a float32 router)."""
     if name.startswith("layers.") and ".moe.router." in name:
-        moe = layers[int(name.split(".")[1])]["mlp"]["moe"]
-        if moe and moe["router_dtype"] == "float32":
+        moe = layers[int(name.split(".")[1])].mlp.moe
+        if moe and moe.router_dtype == "float32":
             return "float32"
     return target
 
@@ -480,17 +344,17 @@ def _fill(f: BinaryIO, file: Path, piece: memoryview) -> None:
         done += n
 
 
-def _as_stored(t: ResolvedTensor, stored: str, manifest: dict, source_style: str, style: str) -> bool:
+def _as_stored(t: ResolvedTensor, stored: str, manifest: Manifest, source_style: str, style: str) -> bool:
     """Whether checkpoint tensor ``t``, stored as ``stored`` (safetensors' code), becomes one neutral tensor of
     exactly its stored bytes (to_neutral folds, transposes, splits or unstacks nothing, restyle_rope permutes
     nothing, the manifest's dtype is its own), so that it can be copied a piece at a time."""
     if t.norm_offset or t.transpose or t.unstack or t.split is not None or len(t.neutral) != 1:
         return False
     name = t.neutral[0]
-    if dtype_code(manifest["tensors"][name]["dtype"]) != stored:
+    if dtype_code(manifest.tensors[name].dtype) != stored:
         return False
-    return not name.startswith("layers.") or not restyles(name, manifest["layers"][int(name.split(".")[1])],
-                                                           source_style, style)
+    layer = manifest.layer_of(name)
+    return layer is None or not restyles(name, layer, source_style, style)
 
 
 def check_convertible(ckpt: Checkpoint) -> None:
@@ -543,7 +407,7 @@ def _refuse(ckpt: Checkpoint, dtype: str | None, rope_style: str | None) -> None
 
 
 def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str | None = None, force: bool = False,
-            adapter_dirs=(), max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
+            adapter_dirs=(), max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Manifest:
     """Convert a checkpoint directory into the neutral layout at ``out``; returns the manifest."""
     ckpt = open_checkpoint(Path(path), adapter_dirs)
     check_convertible(ckpt)
@@ -563,15 +427,14 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
     # planned in source order, so that each tensor is written as soon as the one pass has read it
     order = [n for f in ckpt.files for hf_name in file_order(headers[f]) if hf_name in tensor_map
              for n in tensor_map[hf_name].neutral]
-    outputs = [PlannedTensor(n, tuple(manifest["tensors"][n]["shape"]), manifest["tensors"][n]["dtype"]) for n in order]
-    layer_of = lambda name: manifest["layers"][int(name.split(".")[1])] if name.startswith("layers.") else None  # noqa: E731
+    outputs = [PlannedTensor(n, tuple(manifest.tensors[n].shape), manifest.tensors[n].dtype) for n in order]
 
     def finish(name: str, y: torch.Tensor) -> torch.Tensor:
         """A neutral tensor as it is written: q/k rows in the target RoPE style, at the manifest's dtype."""
-        layer = layer_of(name)
+        layer = manifest.layer_of(name)
         if layer is not None:
             y = restyle_rope(name, y, layer, source_style, style)
-        return y.to(getattr(torch, manifest["tensors"][name]["dtype"]))
+        return y.to(getattr(torch, manifest.tensors[name].dtype))
 
     # tensors written exactly as stored are copied a piece at a time as they are read; the rest are read whole
     entries = {n: h.tensors[n] for h in headers.values() for n in h.tensors if n in tensor_map}
@@ -586,7 +449,7 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
         shard = next(writers)
         writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT}, hashing)
         written = 0
-        files: dict[str, dict] = {}
+        files: dict[str, File] = {}
         for f in ckpt.files:
             for hf_name, x in reader.tensors(f, headers[f], tensor_map, streamed):
                 if isinstance(x, Pieces):  # written as stored, each piece as soon as it is read
@@ -598,23 +461,23 @@ def convert(path: Path, out: Path, *, dtype: str | None = None, rope_style: str 
                     neutral = ((name, finish(name, y)) for name, y in to_neutral(tensor_map[hf_name], x))
                 for name, y in neutral:
                     if written == len(shard.tensors):
-                        files[shard.path.name] = {HASH: writer.close(), "bytes": shard.path.stat().st_size}
+                        files[shard.path.name] = File(**{HASH: writer.close()}, bytes=shard.path.stat().st_size)
                         shard = next(writers)
                         writer = ShardWriter(shard, {"format": "pt", "parity": FORMAT}, hashing)
                         written = 0
                     writer.write(name, y)
                     written += 1
-        files[shard.path.name] = {HASH: writer.close(), "bytes": shard.path.stat().st_size}
-        manifest["source"]["files"] = reader.digests
+        files[shard.path.name] = File(**{HASH: writer.close()}, bytes=shard.path.stat().st_size)
+        manifest.source.files = reader.digests
         if ckpt.quantization is not None:
-            manifest["source"]["quantization"] = dequantization_summary(ckpt.quantization, errors, target)
-        for name, info in manifest["tensors"].items():
-            info["file"] = where[name]
+            manifest.source.quantization = dequantization_summary(ckpt.quantization, errors, target)
+        for name, info in manifest.tensors.items():
+            info.file = where[name]
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in outputs)}, "weight_map": where}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        manifest["files"] = files
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        manifest.files = files
+        (tmp / MANIFEST).write_text(manifest.dumps() + "\n")
         _copy_tokenizer(ckpt.path, tmp)
     return manifest
 

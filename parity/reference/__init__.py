@@ -1,2 +1,2 @@
 """The reference side: transformers models run as streams of capture points, tiny checkpoints, goldens, the
-decode path, and the arithmetics a reference can emulate (arithmetic/)."""
+decode path (the arithmetics a reference can emulate are each engine's: parity.engines.arithmetic)."""

@@ -63,11 +63,11 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """ATTENTION: the module's eager attention, its inputs and softmax reported for the points hooked on it."""
     eager = eager_function(type(module))
     wanted = {field: (name, emit) for field, name, emit in _wanted.get(module, ())}
-    if "query" in wanted:
-        name, emit = wanted["query"]
+    if (hooked := wanted.get("query")) is not None:
+        name, emit = hooked
         emit(name, ops.from_heads(query.detach()))
-    if "key" in wanted:  # with a cache, the keys of this forward's positions are the last ones
-        name, emit = wanted["key"]
+    if (hooked := wanted.get("key")) is not None:  # with a cache, this forward's positions' keys are the last ones
+        name, emit = hooked
         emit(name, ops.from_heads(key.detach()[..., key.shape[-2] - query.shape[-2]:, :]))
     if "scores" not in wanted and "probs" not in wanted:
         return eager(module, query, key, value, attention_mask, *args, **kwargs)
@@ -78,11 +78,11 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise ParityError(f"{type(module).__name__}: its eager attention computed no softmax; its scores and "
                           f"probabilities cannot be read")
     scores, probs = watch.seen
-    if "scores" in wanted:
-        name, emit = wanted["scores"]
+    if (hooked := wanted.get("scores")) is not None:
+        name, emit = hooked
         emit(name, ops.scores(scores.detach()))
-    if "probs" in wanted:
-        name, emit = wanted["probs"]
+    if (hooked := wanted.get("probs")) is not None:
+        name, emit = hooked
         emit(name, ops.probs(probs.detach()))
     return out
 

@@ -28,18 +28,18 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional
 
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError
 from safetensors import safe_open
 
 from parity import dumps, names
 from parity.adapter import load_all
-from parity.checkpoint import Checkpoint, check_config, inside, open_checkpoint, plain_file_name, resolve_config
+from parity.checkpoint import Checkpoint, check_config, inside, open_checkpoint, resolve_config
 from parity.checkpoint.inputs import Inputs, make_inputs, read_inputs_file
 from parity.errors import ParityError
 from parity.reference.models import Emit, replay_steps
 from parity.reference.structure import discover
-from parity.storage.jsonfile import StrictSpec, check_schema, read_json
-from parity.storage.shards import FLOAT_DTYPES, read_header, sha256_file
+from parity.storage.jsonfile import StrictSpec, read_json, validation_problem
+from parity.storage.shards import FLOAT_DTYPES, plain_file_name, read_header, sha256_file
 
 FORMAT = "parity-golden"
 FORMAT_VERSION = 1
@@ -82,35 +82,90 @@ def _diff_keys(a: dict, b: dict) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if k != "transformers_version" and a.get(k) != b.get(k))
 
 
+class PointRecord(StrictSpec):
+    """A point as golden.json describes it: its shape, its storage's rounding, and with --calibrate its noise."""
+
+    shape: list[Annotated[int, Field(ge=0)]]
+    storage_rel_l2: Annotated[float, Field(allow_inf_nan=False, ge=0)]
+    noise: Optional[Annotated[float, Field(allow_inf_nan=False, ge=0)]] = None
+    noise_isolated: Optional[Annotated[float, Field(allow_inf_nan=False, ge=0)]] = None
+    tolerance: Optional[dict[str, Any]] = None
+
+
+class DecodeRecord(StrictSpec):
+    """--decode N: the tokens fed and each step's points (decode.{point} in the run's file)."""
+
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    points: dict[str, PointRecord]
+
+
+class Run(StrictSpec):
+    """One input: its ids, its activations file, and each point's description."""
+
+    source: str
+    ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    file: str
+    points: dict[str, PointRecord]
+    decode: Optional[DecodeRecord] = None
+
+
+class CheckpointRecord(StrictSpec):
+    path: str
+    sha256: dict[str, str]
+    config: dict[str, Any]
+
+
+class RecordedWith(StrictSpec):
+    parity: Optional[str] = None
+    torch: str
+    transformers: str
+    python: Optional[str] = None
+
+
+class Description(StrictSpec):
+    """golden.json, as far as a check reads it."""
+
+    family: str
+    dtype: Literal["float32", "bfloat16", "float16"]
+    storage: Literal["float32", "float16"]
+    calibrated: bool
+    checkpoint: CheckpointRecord
+    recorded_with: RecordedWith
+    capture_points: Annotated[list[str], Field(min_length=1)]
+    runs: Annotated[list[Run], Field(min_length=1)]
+
+
 @dataclass
 class Golden:
     path: Path
-    description: dict
+    description: Description
     checkpoint: Checkpoint     # recognised from the stored config; no weights
 
     @property
     def points(self) -> list[str]:
-        return self.description["capture_points"]
+        return self.description.capture_points
 
     @property
-    def runs(self) -> list[dict]:
-        return self.description["runs"]
+    def runs(self) -> list[Run]:
+        return self.description.runs
 
     @property
     def dtype(self) -> str:
-        return self.description["dtype"]
+        return self.description.dtype
 
     def calibrated_for(self, dtype: str, isolated: bool = False) -> bool:
         """Whether the golden holds each point's noise for ``dtype`` candidates (measured in isolation too, when
         ``isolated``: an isolated check's noise is one layer's, not the accumulated noise of a free run)."""
-        if not (self.description["calibrated"] and self.dtype == dtype):
+        if not (self.description.calibrated and self.dtype == dtype):
             return False
-        return not isolated or all("noise_isolated" in info for run in self.runs for info in run["points"].values())
+        return not isolated or all("noise_isolated" in info.model_fields_set
+                                   for run in self.runs for info in run.points.values())
 
     def describe(self) -> dict:
         """The report's ``reference`` entry."""
-        return {"kind": "golden", "path": str(self.path), "recorded_with": self.description["recorded_with"],
-                "checkpoint": self.description["checkpoint"]["sha256"]}
+        return {"kind": "golden", "path": str(self.path),
+                "recorded_with": self.description.recorded_with.model_dump(exclude_unset=True),
+                "checkpoint": self.description.checkpoint.sha256}
 
     kind = "golden"
     stored = True  # activations and their calibrated noise are read, not computed
@@ -118,7 +173,7 @@ class Golden:
     def runner(self, k: int, points: set[str] | None = None) -> Callable[[Emit], None]:
         """Emits run k's stored points (``points``, else all) in forward order as float32, in place of a
         transformers run."""
-        file = run_file(self.path, self.runs[k]["file"])
+        file = run_file(self.path, self.runs[k].file)
         _keys(file)  # checked again: it may have changed since the golden was opened
 
         def run(emit: Emit) -> None:
@@ -129,11 +184,11 @@ class Golden:
 
         return run
 
-    def decode_steps(self, n: int, k: int = 0) -> dict:
+    def decode_steps(self, n: int, k: int = 0) -> DecodeRecord:
         """Run k's decode record, refused (exit 2) unless it holds at least n steps."""
-        held = self.runs[k].get("decode")
-        if held is None or len(held["tokens"]) < n:
-            has = "no decode steps" if held is None else f"{len(held['tokens'])} decode steps"
+        held = self.runs[k].decode
+        if held is None or len(held.tokens) < n:
+            has = "no decode steps" if held is None else f"{len(held.tokens)} decode steps"
             raise ParityError(f"--reference {self.path}: the golden holds {has}; record it with --decode {n} (or "
                               f"more), or decode fewer steps")
         return held
@@ -145,7 +200,7 @@ class Golden:
     def stored_steps(self, k: int, n: int, points: set[str]) -> dict[str, torch.Tensor]:
         """Run k's first n decode steps of ``points``, as stored: point -> [1, n, width] float32."""
         self.decode_steps(n, k)
-        file = run_file(self.path, self.runs[k]["file"])
+        file = run_file(self.path, self.runs[k].file)
         with safe_open(file, framework="pt") as handle:
             return {p: handle.get_tensor(f"{dumps.DECODE}{p}")[:, :n].float() for p in self.points if p in points}
 
@@ -154,29 +209,31 @@ class Golden:
         calibrated for ``dtype``."""
         if not self.calibrated_for(dtype, isolated):
             return None
-        return self.runs[k]["points"][name].get("noise_isolated" if isolated else "noise")
+        info = self.runs[k].points[name]
+        return info.noise_isolated if isolated else info.noise
 
     def rounding(self, k: int, name: str) -> float:
         """rel_l2 between point ``name`` as stored and as the reference computed it (0 in float32)."""
-        return self.runs[k]["points"][name]["storage_rel_l2"]
+        return self.runs[k].points[name].storage_rel_l2
 
     def inputs(self, *, prompt: str | None = None, ids: list[int] | None = None, length: int | None = None,
                inputs_file: Path | None = None) -> list[Inputs]:
         """The golden's inputs; inputs asked for on the command line must be the same ones."""
-        stored = [Inputs(torch.tensor([r["ids"]]), f"{r['source']} (golden)") for r in self.runs]
+        stored = [Inputs(torch.tensor([r.ids]), f"{r.source} (golden)") for r in self.runs]
         if prompt is None and ids is None and length is None and inputs_file is None:
             return stored
         asked = (read_inputs_file(inputs_file) if inputs_file
                  else [{"prompt": prompt, "ids": ids, "length": length}])
 
-        def same(item: dict, run: dict) -> bool:
-            if item.get("prompt") is not None:
-                return run["source"] == f"prompt {item['prompt']!r}"
+        def same(item: dict, run: Run) -> bool:
+            text = item.get("prompt")
+            if text is not None:
+                return run.source == f"prompt {text!r}"
             return make_inputs(self.checkpoint, ids=item.get("ids"), length=item.get("length")).ids[0].tolist() \
-                == run["ids"]
+                == run.ids
 
         if len(asked) != len(self.runs) or not all(same(a, r) for a, r in zip(asked, self.runs)):
-            held = "; ".join(f"{len(r['ids'])} tokens ({r['source']})" for r in self.runs)
+            held = "; ".join(f"{len(r.ids)} tokens ({r.source})" for r in self.runs)
             raise ParityError(f"--reference {self.path}: the golden fixes the inputs ({held}) and they differ from "
                               f"those asked for; drop --prompt/--ids/--inputs/--length, or record a golden for them")
         return stored
@@ -186,7 +243,7 @@ class Golden:
         """Refuse what a golden cannot answer, each with its fix; ``checkpoint`` must be the one it was recorded
         from."""
         if calibrate and not self.calibrated_for(dtype):
-            why = (f"was calibrated for {self.dtype} candidates" if self.description["calibrated"]
+            why = (f"was calibrated for {self.dtype} candidates" if self.description.calibrated
                    else "was recorded without --calibrate")
             raise ParityError(f"--reference {self.path}: the golden {why}; drop --calibrate, or record it with "
                               f"--dtype {dtype} --calibrate")
@@ -203,7 +260,7 @@ class Golden:
     def match(self, directory: Path, adapter_dirs=()) -> None:
         """Raise unless ``directory`` is the checkpoint the golden was recorded from (by sha256)."""
         ckpt = open_checkpoint(Path(directory), adapter_dirs, discover=discover)
-        want, got = self.description["checkpoint"]["sha256"], checkpoint_sha256(ckpt)
+        want, got = self.description.checkpoint.sha256, checkpoint_sha256(ckpt)
         problems = []
         for name in sorted(want.keys() | got.keys()):
             if name not in got:
@@ -218,59 +275,18 @@ class Golden:
                               f"{'; '.join(problems)}; record the golden again from it (parity golden record)")
 
 
-class _PointSpec(StrictSpec):
-    shape: list[Annotated[int, Field(ge=0)]]
-    storage_rel_l2: Annotated[float, Field(allow_inf_nan=False, ge=0)]
-    noise: Optional[Annotated[float, Field(allow_inf_nan=False, ge=0)]] = None
-    noise_isolated: Optional[Annotated[float, Field(allow_inf_nan=False, ge=0)]] = None
-    tolerance: Optional[dict[str, Any]] = None
-
-
-class _DecodeSpec(StrictSpec):
-    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    points: dict[str, _PointSpec]
-
-
-class _RunSpec(StrictSpec):
-    source: str
-    ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    file: str
-    points: dict[str, _PointSpec]
-    decode: Optional[_DecodeSpec] = None  # --decode N: the tokens fed and each step's points (decode.{point})
-
-
-class _CheckpointSpec(StrictSpec):
-    path: str
-    sha256: dict[str, str]
-    config: dict[str, Any]
-
-
-class _RecordedWith(StrictSpec):
-    torch: str
-    transformers: str
-
-
-class _GoldenSpec(StrictSpec):
-    family: str
-    dtype: Literal["float32", "bfloat16", "float16"]
-    storage: Literal["float32", "float16"]
-    calibrated: bool
-    checkpoint: _CheckpointSpec
-    recorded_with: _RecordedWith
-    capture_points: Annotated[list[str], Field(min_length=1)]
-    runs: Annotated[list[_RunSpec], Field(min_length=1)]
-
-
-def _read_description(file: Path) -> dict:
+def _read_description(file: Path) -> Description:
     """golden.json, read and checked against the schema (not yet against the model or the files)."""
     fix = "record the golden again with `parity golden record`"
-    description = read_json(file, fix)
-    if not isinstance(description, dict) or description.get("format") != FORMAT \
-            or description.get("format_version") != FORMAT_VERSION:
+    data = read_json(file, fix)
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
         raise ParityError(f"{file}: not a {FORMAT} v{FORMAT_VERSION} description; record the golden again with "
                           f"this parity")
-    check_schema(_GoldenSpec, description, file, fix)
-    check_config(description["checkpoint"]["config"], file, "checkpoint.config.")
+    try:
+        description = Description.model_validate(data)
+    except ValidationError as exc:
+        raise ParityError(f"{file}: {validation_problem(exc)}; {fix}") from None
+    check_config(description.checkpoint.config, file, "checkpoint.config.")
     return description
 
 
@@ -283,18 +299,18 @@ def run_file(path: Path, name: str) -> Path:
     return file
 
 
-def _check_run(path: Path, run: dict, points: list[str], vocab: int, hidden: int) -> None:
+def _check_run(path: Path, run: Run, points: list[str], vocab: int, hidden: int) -> None:
     """A run's ids, its description of each point and its activations file agree."""
     fix = "record the golden again"
-    file = run_file(path, run["file"])
-    ids = run["ids"]
+    file = run_file(path, run.file)
+    ids = run.ids
     bad = [i for i in ids if i >= vocab]
     if bad:
-        raise ParityError(f"{path / DESCRIPTION}: run {run['file']} holds token ids outside [0, {vocab}): "
+        raise ParityError(f"{path / DESCRIPTION}: run {run.file} holds token ids outside [0, {vocab}): "
                           f"{bad[:5]}; {fix}")
-    undescribed = [p for p in points if p not in run["points"]]
+    undescribed = [p for p in points if p not in run.points]
     if undescribed:
-        raise ParityError(f"{path / DESCRIPTION}: run {run['file']} does not describe {', '.join(undescribed[:5])}; "
+        raise ParityError(f"{path / DESCRIPTION}: run {run.file} does not describe {', '.join(undescribed[:5])}; "
                           f"{fix}")
     header = read_header(file, fix)
     missing = [p for p in points if p not in header.tensors]
@@ -303,19 +319,19 @@ def _check_run(path: Path, run: dict, points: list[str], vocab: int, hidden: int
     stored_ids = header.metadata.get(dumps.INPUT_IDS)
     if stored_ids is not None and dumps.parse_ids(stored_ids, file) != [ids]:
         raise ParityError(f"{file}: its input ids differ from those golden.json records for it; {fix}")
-    decode = run.get("decode")
-    steps = [] if decode is None else [(f"{dumps.DECODE}{p}", p, len(decode["tokens"]), decode["points"].get(p))
+    decode = run.decode
+    steps = [] if decode is None else [(f"{dumps.DECODE}{p}", p, len(decode.tokens), decode.points.get(p))
                                        for p in points]
-    if decode is not None and [i for i in decode["tokens"] if i >= vocab]:
-        raise ParityError(f"{path / DESCRIPTION}: run {run['file']}'s decode tokens are outside [0, {vocab}); {fix}")
-    for key, name, length, described in [(p, p, len(ids), run["points"][p]) for p in points] + steps:
+    if decode is not None and [i for i in decode.tokens if i >= vocab]:
+        raise ParityError(f"{path / DESCRIPTION}: run {run.file}'s decode tokens are outside [0, {vocab}); {fix}")
+    for key, name, length, described in [(p, p, len(ids), run.points[p]) for p in points] + steps:
         entry = header.tensors.get(key)
         shape = [1, length, vocab if name == "logits" else hidden]
         if entry is None or described is None:
             raise ParityError(f"{file}: {key} is missing (from the file or golden.json); {fix}")
-        if entry.dtype not in FLOAT_DTYPES or list(entry.shape) != shape or described["shape"] != shape:
+        if entry.dtype not in FLOAT_DTYPES or list(entry.shape) != shape or described.shape != shape:
             raise ParityError(f"{file}: {key} is {entry.dtype} {list(entry.shape)} (golden.json: "
-                              f"{described['shape']}), expected a float tensor of shape {shape}; {fix}")
+                              f"{described.shape}), expected a float tensor of shape {shape}; {fix}")
 
 
 def open_golden(path: Path, adapter_dirs=()) -> Golden:
@@ -326,21 +342,22 @@ def open_golden(path: Path, adapter_dirs=()) -> Golden:
     if not file.is_file():
         raise ParityError(f"{path}: no {DESCRIPTION}; give a directory written by `parity golden record`")
     description = _read_description(file)
-    config = description["checkpoint"]["config"]
+    config = description.checkpoint.config
     adapter, variant, resolved = resolve_config(config, file, load_all(adapter_dirs), discover)
-    if resolved.family != description["family"]:
-        raise ParityError(f"{file}: recorded as {description['family']} but its config reads as {resolved.family} "
+    if resolved.family != description.family:
+        raise ParityError(f"{file}: recorded as {description.family} but its config reads as {resolved.family} "
                           f"with these adapters; check --adapters")
-    points = description["capture_points"]
+    points = description.capture_points
     known = [c.name for c in resolved.capture]
     strange = [p for p in points if p not in known]
     if strange or len(set(points)) != len(points):
         raise ParityError(f"{file}: capture_points must be distinct capture points of this {resolved.family} model; "
                           f"{', '.join(strange[:5]) or 'some appear twice'}; record the golden again")
     vocab, hidden = resolved.embedding_shape
-    for run in description["runs"]:
+    for run in description.runs:
         _check_run(path, run, points, vocab, hidden)
-    ckpt = Checkpoint(path, file, config, adapter, variant, resolved, files=[], tensors={})
+    ckpt = Checkpoint(path=path, config_path=file, config=config, adapter=adapter, variant=variant, resolved=resolved,
+                      files=[], tensors={})
     return Golden(path, description, ckpt)
 
 

@@ -374,7 +374,7 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
     given: nothing else is hooked, so nothing else is held; operation-level points among them are read from the
     adapter's [ops], and are absent from a layer that lacks them). ``on_layer(i)`` is told when layer i is done;
     with ``last``, the forward stops after that layer (a slice of a check needs nothing beyond it);
-    ``arithmetic`` (parity.reference.arithmetic.ggml.Arithmetic): computed as that engine computes; ``attn``,
+    ``arithmetic`` (parity.engines.arithmetic: an engine's): computed as that engine computes; ``attn``,
     ``compile``: the attention kernel and torch.compile (Models.hf)."""
     model = models.hf(ckpt, dtype, role, attn, compile)
     capture = [c for c in ckpt.resolved.capture if points is None or c.name in points]
@@ -383,12 +383,11 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
     device = models.device.get(role, models.device["reference"])
 
     def run(emit: Emit) -> None:
-        from parity.reference.arithmetic.ggml import emulate
         from parity.reference.capture import hooks
 
         # capture hooks first: a layer's input is reported as computed, then replaced when isolating; ops after the
         # engine's hooks, so that an op read at an output includes what the engine adds there
-        engine = arithmetic.emulate(model) if hasattr(arithmetic, "emulate") else emulate(model, arithmetic)
+        engine = arithmetic.emulate(model) if arithmetic is not None else nullcontext()
         limits = compile_limits(ckpt.resolved.num_layers) if attn != "eager" or compile else nullcontext()
         with hooks(model, capture, emit), engine, hooks(model, op_points, emit), limits, torch.no_grad():
             handles = _isolation_hooks(model, ckpt, feed) if feed is not None else []

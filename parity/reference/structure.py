@@ -204,8 +204,8 @@ def _when(present: list[int], n: int) -> str | None:
 def discover(config: dict, source: str = "config.json") -> Adapter | None:
     """A generated adapter for a config of transformers' own classes (None for any other: the caller refuses it
     as an unsupported architecture), its capture map discovered from the model built on the meta device."""
-    cls = transformers_class(config)
-    if cls is None or not config.get("model_type"):
+    cls, model_type = transformers_class(config), config.get("model_type")
+    if cls is None or not model_type:
         return None
     cfg = _config_object(config, cls, source)
     if cfg is None:
@@ -220,8 +220,6 @@ def discover(config: dict, source: str = "config.json") -> Adapter | None:
                           f"no _no_split_modules, not one nn.ModuleList); parity checks it only with an adapter "
                           f"(--adapters DIR)")
     layer0 = model.get_submodule(f"{container}.0")
-    capture: dict[str, dict] = {"embed": {"module": f"{container}.0", "io": "input", "arg": _first_arg(layer0)}}
-    found: dict[str, str] = {"layers": f"{container} ({n}, by {how})"}
     attention = _recorded(model, "attentions")
     first = f"{container}.0."
     attention_paths = sorted(f"{container}.{{i}}.{p[len(first):]}" for p, m in model.named_modules()
@@ -230,42 +228,39 @@ def discover(config: dict, source: str = "config.json") -> Adapter | None:
     in_attention = [t for t in rowwise if (attention_paths and t.startswith(attention_paths[0] + "."))
                     or (not attention_paths and _inside_attention(model, t, n))]
     outside = [t for t in rowwise if t not in in_attention]
-    if len(in_attention) == 1:
-        capture["layers.{i}.attn_out"] = {"module": in_attention[0], "io": "output"}
-    elif len(attention_paths) == 1:
-        capture["layers.{i}.attn_out"] = {"module": attention_paths[0], "io": "output", "field": 0}
-    if len(outside) == 1:
-        capture["layers.{i}.mlp_out"] = {"module": outside[0], "io": "output"}
-    for point in ("layers.{i}.attn_out", "layers.{i}.mlp_out"):
-        if point in capture:
-            present = _present(model, capture[point]["module"], n)
-            if not present:
-                del capture[point]
-                continue
-            capture[point]["when"] = _when(present, n)
-            found[point.rsplit(".", 1)[1]] = capture[point]["module"]
-    capture["layers.{i}.out"] = {"module": f"{container}.{{i}}", "io": "output", "field": 0}
+    # each sublayer's output, where one module gives it: (the module, what else its capture entry says)
+    attn_out = ((in_attention[0], {}) if len(in_attention) == 1 else
+                (attention_paths[0], {"field": 0}) if len(attention_paths) == 1 else None)
+    mlp_out = (outside[0], {}) if len(outside) == 1 else None
+    sublayers: dict[str, dict] = {}
+    found: dict[str, str] = {"layers": f"{container} ({n}, by {how})"}
+    for point, sublayer in (("layers.{i}.attn_out", attn_out), ("layers.{i}.mlp_out", mlp_out)):
+        present = [] if sublayer is None else _present(model, sublayer[0], n)
+        if present:
+            module, more = sublayer
+            sublayers[point] = {"module": module, "io": "output", **more, "when": _when(present, n)}
+            found[point.rsplit(".", 1)[1]] = module
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     final = _final_norm(model, cfg, base, container, embedding)
-    if final is not None:
-        capture["final_norm"] = {"module": final, "io": "output", "field": 0}
-        found["final_norm"] = final
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None:
-        capture["logits"] = {"module": "", "io": "output", "field": "logits"}
     weight = getattr(embedding, "weight", None)
     if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):
         raise ParityError(f"{source}: {cls.__name__}: no token embedding found (get_input_embeddings); parity checks "
                           f"it only with an adapter (--adapters DIR)")
-    found["embedding"] = next(p for p, m in model.named_modules() if m is embedding)
+    capture = {"embed": {"module": f"{container}.0", "io": "input", "arg": _first_arg(layer0)}, **sublayers,
+               "layers.{i}.out": {"module": f"{container}.{{i}}", "io": "output", "field": 0},
+               **({} if final is None else {"final_norm": {"module": final, "io": "output", "field": 0}}),
+               **({} if head is None else {"logits": {"module": "", "io": "output", "field": "logits"}})}
+    found = {**found, **({} if final is None else {"final_norm": final}),
+             "embedding": next(p for p, m in model.named_modules() if m is embedding)}
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     causal = cls.__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     heads = getattr(cfg, "num_attention_heads", None)
     spec = AdapterFile.model_validate({
-        "family": str(config["model_type"]),
+        "family": str(model_type),
         "description": f"{cls.__name__} as transformers builds it: structure discovered, conventions unknown",
-        "variants": [{"architectures": [cls.__name__], "model_type": str(config["model_type"]), "tensor_prefix": [""],
+        "variants": [{"architectures": [cls.__name__], "model_type": str(model_type), "tensor_prefix": [""],
                       "module_prefix": "", "lm_head": head is not None}],
         # no tensor map (transformers' own loading info says what a checkpoint lacks); the embedding's shape alone
         "derive": {"num_layers": {"expr": str(n)}, "embedding_shape": {"expr": str(list(weight.shape))}},

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import torch
 
 from parity.adapter import Adapter
 from parity.adapter.expr import evaluate
+from parity.checkpoint import open_checkpoint
 from parity.errors import ParityError
+from parity.neutral.converter import build_manifest
+from parity.neutral.model import Manifest
 from parity.storage import atomic
 
 VOCAB = 256  # one token per byte: a real, offline tokenizer with no files to fetch
@@ -125,15 +129,10 @@ def make_tiny(adapter: Adapter, out: Path, *, layers: int | None = None, seed: i
     return Path(out)
 
 
-def tiny_manifest(adapter: Adapter, width: int | None = None) -> dict:
+def tiny_manifest(adapter: Adapter, width: int | None = None) -> Manifest:
     """The neutral manifest of the family's tiny checkpoint (``width``: its hidden size widened), from its config
     alone (no weights built)."""
-    import tempfile
-
     import transformers
-
-    from parity.checkpoint import open_checkpoint
-    from parity.neutral.converter import build_manifest
 
     architecture, kwargs = tiny_config(adapter, width=width)
     config = getattr(transformers, architecture).config_class(**kwargs).to_dict()

@@ -402,9 +402,9 @@ def drill_sentence(report: Report) -> str | None:
     else:
         words.append(f"it is the first point of {layer} compared")
     concentration = d.get("concentration") or {}
-    head = report.drill_keys()["head"]
-    if concentration.get("summary"):
-        words.append(concentration["summary"])
-    elif head and isinstance(head["share"], (int, float)):
-        words.append(f"{head['axis']} {head['index']} carries {head['share']:.0%} of the error")
+    head, where = report.drill_keys().head, concentration.get("summary")
+    if where:
+        words.append(where)
+    elif head and isinstance(head.share, (int, float)):
+        words.append(f"{head.axis} {head.index} carries {head.share:.0%} of the error")
     return "; ".join(words)

@@ -297,7 +297,7 @@ def drilldown(report: Report) -> str:
         rows.append(f'<tr class="{cls}"><td><code>{escape(facts.op_label(p.name))}</code></td>' +
                     "".join(f'<td class="num">{escape(c)}</td>' for c in cells) +
                     f'<td>{escape(facts.status(p))}</td><td>{escape(facts.DRILL_ROLES.get(role, ""))}</td></tr>')
-    where = report.drill_keys()["where"]
+    where = report.drill_keys().where
     return (f'<h2>drill-down: layers.{escape(str(report.drilldown.get("layer")))}</h2>\n'
             f'<p class="how">{escape(facts.drill_heading(report))}</p>\n'
             f'<table class="drill"><thead><tr>{header}</tr></thead><tbody>\n' + "\n".join(rows) +

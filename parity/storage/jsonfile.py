@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from parity.errors import ParityError
+
+Model = TypeVar("Model", bound=BaseModel)
 
 # What json.loads raises on text that is not JSON: JSONDecodeError and UnicodeDecodeError are ValueErrors, and
 # deeply nested arrays exhaust the recursion limit
@@ -48,9 +50,9 @@ def validation_problem(exc: ValidationError) -> str:
     return f"{where}: {err['msg'][:120]}{got}{more}"
 
 
-def check_schema(spec: type[BaseModel], value: Any, where: Path | str, fix: str) -> None:
-    """Refuse a value its schema rejects: '{where}: {the first problem}; {fix}'."""
+def check_schema(spec: type[Model], value: Any, where: Path | str, fix: str) -> Model:
+    """``value`` as its schema reads it; refused where the schema rejects it: '{where}: {the first problem}; {fix}'."""
     try:
-        spec.model_validate(value)
+        return spec.model_validate(value)
     except ValidationError as exc:
         raise ParityError(f"{where}: {validation_problem(exc)}; {fix}") from None

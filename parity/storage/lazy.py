@@ -167,9 +167,10 @@ class NeutralSource:
 
     LARGE = ("embed.tokens.weight", "embed.per_layer_tokens.weight", "lm_head.weight")
 
-    def __init__(self, manifest: dict, directory: Path):
-        self.files = TensorFiles({name: Path(directory) / info["file"] for name, info in manifest["tensors"].items()})
-        self.names = list(manifest["tensors"])
+    def __init__(self, files: dict[str, str], directory: Path):
+        """``files``: each tensor's file in ``directory``, by neutral name."""
+        self.files = TensorFiles({name: Path(directory) / file for name, file in files.items()})
+        self.names = list(files)
 
     def resident(self) -> dict[str, torch.Tensor]:
         return {n: self.files.read(n) for n in self.names if not n.startswith("layers.") and n not in self.LARGE}

@@ -76,6 +76,11 @@ class Header:
     data_start: int
 
 
+def plain_file_name(name: str) -> bool:
+    """A bare file name: no directory part, no parent reference, nothing absolute."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
 def file_order(header: Header) -> list[str]:
     """A safetensors file's tensor names in the order their bytes lie in it."""
     return sorted(header.tensors, key=lambda name: (header.tensors[name].begin, header.tensors[name].end))

@@ -30,21 +30,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parity.neutral.executor.ops import norm, softcap
+from parity.neutral.model import Attention, Mla, Norm
 
 
-def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask: Tensor | None,
+def mla_attention(x: Tensor, w: dict, att: Attention, cos: Tensor, sin: Tensor, mask: Tensor | None,
                   cache_kv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None, op=None) -> Tensor:
     """MLA output [B, S, H] (what o_proj returns) in x's dtype.
 
     Args:
         x: [B, S, H] the attention input (after the block's pre-norm).
         w: the layer's tensors by neutral name (see the module docstring).
-        spec: ``heads``, ``q_lora_rank`` (None: plain q projection), ``kv_lora_rank``,
-            ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``scale``, ``softcap`` (None: none),
-            ``q_a_norm`` / ``kv_a_norm`` ({"eps": float}, optionally "weight_dtype": "model" |
-            "float32"), ``rope_style`` ("half" | "interleaved").
+        att: the layer's attention (parity.neutral.model.Attention): its ``mla`` latents (``q_lora_rank``, None: a
+            plain q projection; ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
+            ``q_a_norm``, ``kv_a_norm``), ``heads``, ``scale``, ``softcap`` (None: none) and ``rope.style`` ("half" |
+            "interleaved").
         cos, sin: [S, rope] or [B, S, rope] in the half layout ``cat(freqs, freqs)`` whatever
-            ``rope_style`` is (as transformers' rotary module gives them; rope.cos_sin with style
+            ``rope.style`` is (as transformers' rotary module gives them; rope.cos_sin with style
             "half"), any yarn attention factor already multiplied in.
         mask: additive [B or 1, 1, S, S] (0 where attending, -inf where not), or None.
         cache_kv: the KV cache's hook: given this call's per-head keys and values [B, n, S, *], the ones to attend to
@@ -54,9 +55,10 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
             attn.scores, attn.probs, attn.context (no q_rope, k_rope: only part of each head rotates).
     """
     B, S, _ = x.shape
-    n, nope, rope, v_dim = spec["heads"], spec["qk_nope_head_dim"], spec["qk_rope_head_dim"], spec["v_head_dim"]
+    mla = att.mla
+    n, nope, rope, v_dim = att.heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
 
-    q = _queries(x, w, spec)                                        # [B, S, n * (nope + rope)]
+    q = _queries(x, w, mla)                                        # [B, S, n * (nope + rope)]
     kv_a = F.linear(x, w["attn.kv_a.weight"], w.get("attn.kv_a.bias"))  # [B, S, kv_lora_rank + rope]
     if op is not None:
         op("attn.q", q)
@@ -64,15 +66,15 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
     q = q.view(B, S, n, nope + rope).transpose(1, 2)                # [B, n, S, nope + rope]
     q_nope, q_rope = q.split([nope, rope], dim=-1)
 
-    c, k_rope = kv_a.split([spec["kv_lora_rank"], rope], dim=-1)
-    if spec["kv_a_norm"] is not None:
-        c = rms_norm(c, w["attn.kv_a_norm.weight"], spec["kv_a_norm"])  # [B, S, kv_lora_rank]
+    c, k_rope = kv_a.split([mla.kv_lora_rank, rope], dim=-1)
+    if mla.kv_a_norm is not None:
+        c = rms_norm(c, w["attn.kv_a_norm.weight"], mla.kv_a_norm)  # [B, S, kv_lora_rank]
     if op is not None:
         op("attn.kv_norm", c)
     k_rope = k_rope.view(B, 1, S, rope)                             # one rope head shared by all heads
 
-    q_rope = apply_rope(q_rope, cos, sin, spec["rope_style"])
-    k_rope = apply_rope(k_rope, cos, sin, spec["rope_style"])
+    q_rope = apply_rope(q_rope, cos, sin, att.rope.style)
+    k_rope = apply_rope(k_rope, cos, sin, att.rope.style)
 
     kv = F.linear(c, w["attn.kv_b.weight"])                         # [B, S, n * (nope + v)]
     kv = kv.view(B, S, n, nope + v_dim).transpose(1, 2)             # [B, n, S, nope + v]
@@ -83,7 +85,7 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
     if cache_kv is not None:
         k, v = cache_kv(k, v)                                             # [B, n, T, *]
 
-    scores = softcap(torch.matmul(q, k.transpose(2, 3)) * spec["scale"], spec.get("softcap"))  # [B, n, S, T]
+    scores = softcap(torch.matmul(q, k.transpose(2, 3)) * att.scale, att.softcap)  # [B, n, S, T]
     if mask is not None:
         scores = scores + mask.to(scores.dtype)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -96,22 +98,20 @@ def mla_attention(x: Tensor, w: dict, spec: dict, cos: Tensor, sin: Tensor, mask
     return F.linear(out, w["attn.o.weight"], w.get("attn.o.bias"))  # [B, S, H]
 
 
-def _queries(x: Tensor, w: dict, spec: dict) -> Tensor:
+def _queries(x: Tensor, w: dict, mla: Mla) -> Tensor:
     """q_b(q_a_norm(q_a(x))), or q(x) without a q low-rank path; [B, S, n * (nope + rope)]."""
-    if spec.get("q_lora_rank") is None:
+    if mla.q_lora_rank is None:
         return F.linear(x, w["attn.q.weight"], w.get("attn.q.bias"))
     q_a = F.linear(x, w["attn.q_a.weight"], w.get("attn.q_a.bias"))  # [B, S, q_lora_rank]
-    if spec["q_a_norm"] is not None:
-        q_a = rms_norm(q_a, w["attn.q_a_norm.weight"], spec["q_a_norm"])
+    if mla.q_a_norm is not None:
+        q_a = rms_norm(q_a, w["attn.q_a_norm.weight"], mla.q_a_norm)
     return F.linear(q_a, w["attn.q_b.weight"])
 
 
-def rms_norm(x: Tensor, weight: Tensor, spec: dict) -> Tensor:
-    """x / sqrt(mean(x^2) + eps) in float32, cast to x.dtype, times the weight as stored (DeepseekV3RMSNorm).
-
-    ``spec`` is {"eps": float}, or a full norm spec (model.norm) that may ask for "weight_dtype": "float32".
-    """
-    return norm(x, {"kind": "rmsnorm", "weight_dtype": "model", "upcast": "float32", **spec}, weight, None)
+def rms_norm(x: Tensor, weight: Tensor, spec: Norm) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) in float32, cast to x.dtype, times the weight as stored (DeepseekV3RMSNorm; the
+    latent's norm as the manifest states it, ``weight_dtype`` "float32" included)."""
+    return norm(x, spec, weight, None)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:

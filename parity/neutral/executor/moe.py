@@ -57,9 +57,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parity.neutral.executor.ops import glu, norm
+from parity.neutral.model import Moe
 
 
-def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict,
+def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: Moe,
         on_logits: Callable[[Tensor], None] | None = None) -> Tensor:
     """The MoE block's output [T, H] in the model dtype.
 
@@ -69,92 +70,89 @@ def moe(router_input: Tensor, expert_input: Tensor, w: dict, spec: dict,
         expert_input: [T, H] what the experts (and shared experts) read (DeepSeek-V3: the same
             tensor; Gemma 4: ``pre_feedforward_layernorm_2(mid)``).
         w: the layer's tensors by neutral name (see the module docstring).
-        spec: ``routing`` ("sigmoid" | "softmax"), ``experts``, ``top_k``, ``groups``,
+        spec: the layer's experts (parity.neutral.model.Moe): ``routing``, ``experts``, ``top_k``, ``groups``,
             ``groups_kept``, ``renormalise``, ``scale``, ``shared_experts``, ``shared_gate``, ``activation``,
-            ``router_norm`` (None or {"kind": "rmsnorm", "eps", "weight": False}),
-            ``router_input_scale``; optionally ``router_dtype`` ("float32" | "model": the dtype of
-            the router projection; default float32 for sigmoid routing, model for softmax);
-            ``weights_dtype`` ("float32" | "model", default float32: the dtype in which the routing
-            weights multiply the experts' outputs).
+            ``router_norm`` (None or a weightless RMSNorm), ``router_input_scale``, ``router_dtype`` ("float32" |
+            "model": the dtype of the router projection), ``weights_dtype`` ("float32" | "model": the dtype in
+            which the routing weights multiply the experts' outputs), ``weights_input``.
         on_logits: given the router's logits [T, E] float32 (the ``mlp.router`` operation-level point), if set.
     """
     weights, index = route(router_input, w, spec, on_logits)                 # [T, k] float32, [T, k] int64
-    if spec.get("weights_dtype") == "model":
+    if spec.weights_dtype == "model":
         weights = weights.to(expert_input.dtype)                  # Qwen3-MoE: weights rounded to the model dtype
     act = lambda gate, up: glu(gate, up, spec)  # noqa: E731 - act(gate) * up, with any clamps and offset
-    if spec.get("weights_input"):  # Llama 4: experts(x * w), their outputs summed as they are
-        out = routed_experts(expert_input, weights, index, w, act, spec["experts"], on_input=True)
+    if spec.weights_input:  # Llama 4: experts(x * w), their outputs summed as they are
+        out = routed_experts(expert_input, weights, index, w, act, spec.experts, on_input=True)
     else:
-        out = routed_experts(expert_input, weights, index, w, act, spec["experts"])  # [T, H] model dtype
-    if spec.get("shared_experts"):
+        out = routed_experts(expert_input, weights, index, w, act, spec.experts)  # [T, H] model dtype
+    if spec.shared_experts:
         shared = gated_mlp(expert_input, w, "moe.shared", act)                # [T, H] model dtype
-        if spec.get("shared_gate"):  # Qwen2-MoE: times sigmoid(x @ shared_gate.T) [T, 1], in the model dtype
+        if spec.shared_gate:  # Qwen2-MoE: times sigmoid(x @ shared_gate.T) [T, 1], in the model dtype
             shared = torch.sigmoid(F.linear(expert_input, w["moe.shared_gate.weight"])) * shared
         out = out + shared
     return out
 
 
-def route(router_input: Tensor, w: dict, spec: dict,
+def route(router_input: Tensor, w: dict, spec: Moe,
           on_logits: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor]:
     """Per token, the chosen experts and their weights: (weights [T, k] float32, index [T, k] int64).
     ``on_logits``: given the router's logits [T, E], if set."""
     logits = router_logits(router_input, w, spec)                 # [T, E] float32
     if on_logits is not None:
         on_logits(logits)
-    if spec["routing"] == "sigmoid":
+    if spec.routing == "sigmoid":
         weights, index = _sigmoid_choice(logits, w, spec)
-    elif spec["routing"] == "softmax":
+    elif spec.routing == "softmax":
         probs = torch.softmax(logits, dim=-1)                     # [T, E] float32
-        weights, index = probs.topk(spec["top_k"], dim=-1)        # [T, k]
-    elif spec["routing"] == "topk_softmax":                       # GPT-OSS: the top-k logits, then their softmax
-        chosen, index = logits.topk(spec["top_k"], dim=-1)        # [T, k]
+        weights, index = probs.topk(spec.top_k, dim=-1)           # [T, k]
+    elif spec.routing == "topk_softmax":                          # GPT-OSS: the top-k logits, then their softmax
+        chosen, index = logits.topk(spec.top_k, dim=-1)           # [T, k]
         weights = torch.softmax(chosen, dim=-1)                   # [T, k] float32
-    elif spec["routing"] == "topk_sigmoid":                       # Llama 4: the top-k logits, then their sigmoid
-        chosen, index = logits.topk(spec["top_k"], dim=-1)        # [T, k]
+    elif spec.routing == "topk_sigmoid":                          # Llama 4: the top-k logits, then their sigmoid
+        chosen, index = logits.topk(spec.top_k, dim=-1)           # [T, k]
         weights = torch.sigmoid(chosen)                           # [T, k] float32
     else:
-        raise ValueError(f"unknown MoE routing {spec['routing']!r} (sigmoid, softmax, topk_softmax or topk_sigmoid)")
-    if spec.get("renormalise"):
+        raise ValueError(f"unknown MoE routing {spec.routing!r} (sigmoid, softmax, topk_softmax or topk_sigmoid)")
+    if spec.renormalise:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # DeepSeek's guard; 1e-20 vanishes in any real sum
     if "moe.router.expert_scale" in w:
         weights = weights * w["moe.router.expert_scale"][index]   # stays float32
-    if spec.get("scale") is not None:
-        weights = weights * spec["scale"]
+    if spec.scale is not None:
+        weights = weights * spec.scale
     return weights, index
 
 
-def router_logits(x: Tensor, w: dict, spec: dict) -> Tensor:
+def router_logits(x: Tensor, w: dict, spec: Moe) -> Tensor:
     """Router logits [T, E] as float32 (computed in float32 or in the model dtype, see ``router_dtype``)."""
-    if spec.get("router_norm") is not None:                       # weightless: float32 statistics, cast back
-        x = norm(x, spec["router_norm"], None, None)              # [T, H] model dtype
+    if spec.router_norm is not None:                              # weightless: float32 statistics, cast back
+        x = norm(x, spec.router_norm, None, None)                 # [T, H] model dtype
     if "moe.router.scale" in w:
         x = x * w["moe.router.scale"].to(x.dtype)
-    if spec.get("router_input_scale") is not None:
-        x = x * spec["router_input_scale"]
-    router_dtype = spec["router_dtype"]
+    if spec.router_input_scale is not None:
+        x = x * spec.router_input_scale
     weight = w["moe.router.weight"]                               # [E, H]
     bias = w.get("moe.router.bias")                               # [E] (GPT-OSS)
-    if router_dtype == "float32":
+    if spec.router_dtype == "float32":
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype)).float()
 
 
-def _sigmoid_choice(logits: Tensor, w: dict, spec: dict) -> tuple[Tensor, Tensor]:
+def _sigmoid_choice(logits: Tensor, w: dict, spec: Moe) -> tuple[Tensor, Tensor]:
     """DeepSeek-V3 selection: choose on biased sigmoid scores within the best groups; weigh by unbiased ones."""
     scores = logits.sigmoid()                                     # [T, E] float32
     choice = scores
     if "moe.router.score_bias" in w:
         choice = scores + w["moe.router.score_bias"].float()      # only for choosing experts
-    groups = spec.get("groups") or 1
+    groups = spec.groups or 1
     if groups > 1:
         T, E = choice.shape
         grouped = choice.view(T, groups, E // groups)             # [T, G, E/G]
         group_score = grouped.topk(2, dim=-1).values.sum(-1)      # [T, G] sum of each group's two best
-        kept = group_score.topk(spec["groups_kept"], dim=-1).indices  # [T, groups_kept]
+        kept = group_score.topk(spec.groups_kept, dim=-1).indices  # [T, groups_kept]
         keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
         keep = keep.repeat_interleave(E // groups, dim=1)         # [T, E]
         choice = choice.masked_fill(~keep, float("-inf"))
-    index = choice.topk(spec["top_k"], dim=-1).indices            # [T, k]
+    index = choice.topk(spec.top_k, dim=-1).indices               # [T, k]
     return scores.gather(1, index), index
 
 

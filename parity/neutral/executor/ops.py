@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from parity import ops as layout
+from parity.neutral.model import Attention, Mlp, Moe, Norm
 from parity.rope import half_permutation, interleave_permutation
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -19,23 +20,23 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def norm(x: torch.Tensor, spec: dict, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+def norm(x: torch.Tensor, spec: Norm, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """LayerNorm or RMSNorm over the last dim, statistics in float32 (``upcast``; "none": the model dtype).
 
     ``weight_dtype`` says where the weight multiplies: "float32" multiplies the float32
     normalised value and casts once; "model" casts to the model dtype first (Llama's order).
     """
     dtype = x.dtype
-    if spec["upcast"] == "none" and dtype != torch.float32:
+    if spec.upcast == "none" and dtype != torch.float32:
         y = _low_precision_norm(x, spec)
-    elif spec["kind"] == "layernorm":
-        y = F.layer_norm(x.float(), x.shape[-1:], None, None, spec["eps"])
+    elif spec.kind == "layernorm":
+        y = F.layer_norm(x.float(), x.shape[-1:], None, None, spec.eps)
     else:
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + spec["eps"])
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + spec.eps)
     if weight is None:
         return y.to(dtype)
-    if spec["weight_dtype"] == "float32":
+    if spec.weight_dtype == "float32":
         y = y * weight.float()
         if bias is not None:
             y = y + bias.float()
@@ -53,28 +54,28 @@ def _mean_in(x: torch.Tensor) -> torch.Tensor:
     return acc / x.shape[-1]
 
 
-def _low_precision_norm(x: torch.Tensor, spec: dict) -> torch.Tensor:
+def _low_precision_norm(x: torch.Tensor, spec: Norm) -> torch.Tensor:
     """The normalisation computed entirely in the model dtype (``upcast`` "none")."""
-    if spec["kind"] == "layernorm":
+    if spec.kind == "layernorm":
         x = x - _mean_in(x)
-    return x * torch.rsqrt(_mean_in(x * x) + spec["eps"])
+    return x * torch.rsqrt(_mean_in(x * x) + spec.eps)
 
 
-def glu(gate: torch.Tensor, up: torch.Tensor, spec: dict) -> torch.Tensor:
+def glu(gate: torch.Tensor, up: torch.Tensor, spec: Mlp | Moe) -> torch.Tensor:
     """The gated unit act(gate) * up, with the manifest's ``glu_*`` arithmetic where it states some (GPT-OSS):
     gate clamped to at most ``glu_limit`` and up to [-glu_limit, glu_limit]; the activation read at
     ``glu_alpha * gate`` and divided by it (silu: gate * sigmoid(alpha * gate), computed so); up + ``glu_up_offset``.
     """
-    limit, alpha, offset = spec.get("glu_limit"), spec.get("glu_alpha", 1.0), spec.get("glu_up_offset", 0.0)
+    limit, alpha, offset = spec.glu_limit, spec.glu_alpha, spec.glu_up_offset
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     if alpha == 1.0:
-        hidden = ACTIVATIONS[spec["activation"]](gate)
-    elif spec["activation"] == "silu":
+        hidden = ACTIVATIONS[spec.activation](gate)
+    elif spec.activation == "silu":
         hidden = gate * torch.sigmoid(gate * alpha)
     else:
-        hidden = ACTIVATIONS[spec["activation"]](gate * alpha) / alpha
+        hidden = ACTIVATIONS[spec.activation](gate * alpha) / alpha
     return hidden * (up + offset if offset else up)
 
 
@@ -120,25 +121,25 @@ def _blocks(count: int, block: int, offset: int, perm: torch.Tensor) -> torch.Te
     return index
 
 
-def row_order(att: dict, stored: str | None, source: str | None) -> dict[str, torch.Tensor]:
-    """For a layer's attention (the manifest's entry) whose q/k rows are stored in RoPE style ``stored`` (the
+def row_order(att: Attention, stored: str | None, source: str | None) -> dict[str, torch.Tensor]:
+    """For a layer's attention whose q/k rows are stored in RoPE style ``stored`` (the
     manifest's ``rope_style``: a conversion's --rope-style) where the source checkpoint has ``source``: per op, the
     width index restoring the source's row order within each head (parity/rope.py's permutations). Empty where the
     two agree. (MLA emits no q_rope, k_rope; its rotation would leave them in transformers' order either way.)"""
-    rope = att["rope"]
+    rope = att.rope
     if rope is None or stored is None or source is None or stored == source:
         return {}
     make = interleave_permutation if source == "interleaved" else half_permutation
-    mla = att["mla"]
+    mla = att.mla
     if mla is not None:
-        nope, rot, latent = mla["qk_nope_head_dim"], mla["qk_rope_head_dim"], mla["kv_lora_rank"]
-        return {"attn.q": _blocks(att["heads"], nope + rot, nope, make(rot, rot)),
+        nope, rot, latent = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
+        return {"attn.q": _blocks(att.heads, nope + rot, nope, make(rot, rot)),
                 "attn.kv_compressed": _blocks(1, latent + rot, latent, make(rot, rot))}
-    dh, rot = att["head_dim"], rope["rotary_dim"]
-    q = _blocks(att["heads"], dh, 0, make(rot, rot))
-    k = _blocks(att["kv_heads"], dh, 0, make(rot, rot))
+    dh, rot = att.head_dim, rope.rotary_dim
+    q = _blocks(att.heads, dh, 0, make(rot, rot))
+    k = _blocks(att.kv_heads, dh, 0, make(rot, rot))
     order = {**{f"attn.{op}": q for op in ("q", "q_norm", "q_rope")},
              **{f"attn.{op}": k for op in ("k", "k_norm", "k_rope")}}
-    if att["k_eq_v"]:  # values are the stored keys: they and the heads they merge into follow the keys' rows
+    if att.k_eq_v:  # values are the stored keys: they and the heads they merge into follow the keys' rows
         order.update({"attn.v": k, "attn.context": q})
     return order

@@ -1,0 +1,1 @@
+"""CTranslate2: the candidate kind (kind.py), its Generator run and its model.bin read."""

@@ -1,0 +1,1 @@
+"""MLX: the candidate kind (kind.py), mlx-lm's models run with their capture points tapped."""

@@ -1,1 +1,0 @@
-"""GGUF: the exporter, llama.cpp's quantizer, a file's header checks, its weights read back, its graph's ops."""
