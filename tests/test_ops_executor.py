@@ -93,7 +93,7 @@ def test_a_restyled_conversion_emits_the_source_row_order(family, tiny_dir, tmp_
 def test_ops_off_emits_the_layer_points_only(family, neutral_dir):
     path = neutral_dir(family)
     off = executor_points(path)
-    assert list(off) == load(path)[0]["capture_points"]
+    assert list(off) == load(path)[0].capture_points
     on = executor_points(path, ops=True)
     assert [n for n in on if not names.is_op(n)] == list(off)
     for name, t in off.items():  # emitting ops changes nothing it computes

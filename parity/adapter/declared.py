@@ -3,7 +3,7 @@
 A field of such a record (a pydantic model: the neutral model's parts, parity.neutral.model; one layer's RoPE,
 parity.rope.Rope) says where its value comes from, its default and its meaning, once:
 
-    sinks: bool = setting("attention.sinks", "a learned per-head logit joined to the softmax ...", False)
+    causal: bool = setting("attention.causal", "a query sees no later key")
 
 ``fill`` reads every declared field off a ``Source`` (the resolved settings at one layer, or the model's), so a
 convention is added by declaring its field, never by copying a setting into a dict by hand. A nested record is

@@ -329,8 +329,9 @@ class NeutralModel:
         if spec.per_layer_input is not None:  # Gemma 4: a gated per-layer input, added and normed
             g = ACTIVATIONS[spec.mlp.activation](linear(x, w, "pli.gate")) * per_layer[:, :, i]
             x = x + self._norm(linear(g, w, "pli.proj"), spec.per_layer_input.post_norm, w, "pli_post_norm")
-        if "layer_scalar" in w:
-            x = x * w["layer_scalar"]
+        scalar = w.get("layer_scalar")  # a weight of the layer's own (Gemma 4), not a convention
+        if scalar is not None:
+            x = x * scalar
         emit(p + "out", x)
         return x
 
