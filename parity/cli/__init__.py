@@ -221,19 +221,19 @@ def convert_cmd(model_dir, target, out, force, adapter_dirs, **formats):
             done = quantize(model_dir, out, onnx_quant, dtype=dtype, force=force, adapter_dirs=adapter_dirs,
                             inject=inject, **graph)
             ops = ", ".join(f"{n} {op}" for op, n in done["quantized"]["ops"].items())
-            click.echo(f"wrote {out}: {onnx_quant} by onnxruntime, {done['manifest']['source']['family']}, "
+            click.echo(f"wrote {out}: {onnx_quant} by onnxruntime, {done['manifest'].source.family}, "
                        f"{len(done['outputs'])} output(s); {ops}")
             return
         done = export(model_dir, out, dtype=dtype, force=force, adapter_dirs=adapter_dirs, inject=inject, **graph)
-        click.echo(f"wrote {out}: {done['dtype']}, {done['manifest']['source']['family']}, "
+        click.echo(f"wrote {out}: {done['dtype']}, {done['manifest'].source.family}, "
                    f"{len(done['outputs'])} output(s){', external data ' + out.name + '.data' if done['external_data'] else ''}")
         return
     from parity.neutral.converter import convert
 
     manifest = convert(model_dir, out, dtype=dtype, rope_style=f.rope_style, force=force,
                        adapter_dirs=adapter_dirs)
-    click.echo(f"wrote {out}: {len(manifest['tensors'])} tensors in {len(manifest['files'])} file(s), "
-               f"{manifest['dtype']}, {manifest['source']['family']}")
+    click.echo(f"wrote {out}: {len(manifest.tensors)} tensors in {len(manifest.files)} file(s), "
+               f"{manifest.dtype}, {manifest.source.family}")
 
 
 @dataclass(frozen=True)
