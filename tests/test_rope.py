@@ -21,6 +21,7 @@ import transformers
 from parity import rope as M
 from parity.adapter import recognise, resolve, text_config
 from parity.neutral.executor import rope as R
+from parity.neutral.model import Rope
 from parity.reference.tiny import tiny_config
 from tests.conftest import ADAPTERS, FIXTURES
 
@@ -43,6 +44,23 @@ def _real_config(name: str) -> dict:
 
 ROPE_FAMILIES = [f for f in ADAPTERS if _resolved(_tiny_config(f))[0]["positions.kind"] == "rope"]
 ROPE_CONFIGS = [n for n in CONFIGS if _resolved(_real_config(n))[0]["positions.kind"] == "rope"]
+
+
+def as_rope(rope: dict) -> Rope:
+    """A layer's RoPE as the neutral model holds it, from the dict these tests write."""
+    return Rope.model_validate({"scaling": None, "max_positions": None, **rope})
+
+
+def inv_freq(rope: dict, *args, **kwargs):
+    return M.inv_freq(as_rope(rope), *args, **kwargs)
+
+
+def cos_sin(rope: dict, *args, **kwargs):
+    return R.cos_sin(as_rope(rope), *args, **kwargs)
+
+
+def apply(x, cos, sin, rope: dict):
+    return R.apply(x, cos, sin, as_rope(rope))
 
 
 def rope_of(r, i: int) -> dict:
@@ -102,7 +120,7 @@ def check_every_layer(r, module_factory, layer_types) -> int:
         rope = rope_of(r, i)
         positions = positions_for(rope)
         ref_cos, ref_sin = reference_cos_sin(module_factory(), positions, layer_types[i] if layer_types else None)
-        cos, sin = R.cos_sin(rope, positions)
+        cos, sin = cos_sin(rope, positions)
         assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (len(positions), rope["rotary_dim"])
         # transformers' tables are cat(freqs, freqs), except where the model rotates adjacent pairs itself
         # (Cohere: repeat_interleave), each frequency then repeated for its pair
@@ -172,7 +190,7 @@ def test_scaling_variants_match_transformers(kind):
         positions = torch.arange(length)
         module = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
         ref_cos, ref_sin = reference_cos_sin(module, positions, None)
-        cos, sin = R.cos_sin(rope, positions)
+        cos, sin = cos_sin(rope, positions)
         assert rel_err(cos, ref_cos) <= 1e-6 and rel_err(sin, ref_sin) <= 1e-6, length
 
 
@@ -193,46 +211,46 @@ def test_gemma3_global_layer_scaling_matches_transformers(scaling):
 
 def test_unscaled_tables_by_hand():
     rope = {"theta": 100.0, "style": "half", "rotary_dim": 4, "head_dim": 6, "scaling": None, "max_positions": 8}
-    inv, attention = M.inv_freq(rope)
+    inv, attention = inv_freq(rope)
     assert inv.tolist() == pytest.approx([1.0, 0.1]) and attention == 1.0
-    cos, sin = R.cos_sin(rope, torch.tensor([0, 2]))
+    cos, sin = cos_sin(rope, torch.tensor([0, 2]))
     assert cos[0].tolist() == [1.0] * 4 and sin[0].tolist() == [0.0] * 4
     assert cos[1].tolist() == pytest.approx([math.cos(2), math.cos(0.2)] * 2, rel=1e-6)
-    cos, sin = R.cos_sin({**rope, "style": "interleaved"}, torch.tensor([2]))
+    cos, sin = cos_sin({**rope, "style": "interleaved"}, torch.tensor([2]))
     assert sin[0].tolist() == pytest.approx([math.sin(2), math.sin(2), math.sin(0.2), math.sin(0.2)], rel=1e-6)
 
 
 def test_attention_factors():
     base = {"theta": 10000.0, "style": "half", "rotary_dim": 16, "head_dim": 16, "max_positions": 256}
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    assert M.inv_freq({**base, "scaling": yarn})[1] == pytest.approx(0.1 * math.log(4) + 1)
+    assert inv_freq({**base, "scaling": yarn})[1] == pytest.approx(0.1 * math.log(4) + 1)
     deepseek = {**yarn, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0}
-    assert M.inv_freq({**base, "scaling": deepseek})[1] == 1.0  # mscale / mscale_all_dim; softmax scale carries it
-    cos, _ = R.cos_sin({**base, "scaling": {**yarn, "attention_factor": 2.0}}, torch.tensor([0]))
+    assert inv_freq({**base, "scaling": deepseek})[1] == 1.0  # mscale / mscale_all_dim; softmax scale carries it
+    cos, _ = cos_sin({**base, "scaling": {**yarn, "attention_factor": 2.0}}, torch.tensor([0]))
     assert cos.tolist() == [[2.0] * 16]
     for kind in ({"rope_type": "linear", "factor": 8.0}, {"rope_type": "dynamic", "factor": 2.0},
                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}):
-        assert M.inv_freq({**base, "scaling": kind}, seq_len=1000)[1] == 1.0
+        assert inv_freq({**base, "scaling": kind}, seq_len=1000)[1] == 1.0
 
 
 def test_proportional_keeps_full_width_and_zeroes_the_rest():
     rope = {"theta": 1e6, "style": "half", "rotary_dim": 32, "head_dim": 32, "max_positions": 256,
             "scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.25}}
-    inv, _ = M.inv_freq(rope)
+    inv, _ = inv_freq(rope)
     assert inv.shape == (16,) and inv[4:].eq(0).all()
     assert inv[:4].tolist() == pytest.approx([1e6 ** (-2 * k / 32) for k in range(4)], rel=1e-6)  # spaced by head_dim
     x = torch.randn(1, 2, 5, 32)
-    out = R.apply(x, *R.cos_sin(rope, torch.arange(5)), rope)
+    out = apply(x, *cos_sin(rope, torch.arange(5)), rope)
     still = torch.cat((torch.arange(4, 16), torch.arange(20, 32)))
     assert torch.equal(out[..., still], x[..., still])  # zero-frequency pairs do not move
 
 
 def test_linear_and_llama3_scale_the_right_frequencies():
     base = {"theta": 500000.0, "style": "half", "rotary_dim": 128, "head_dim": 128, "max_positions": 131072}
-    plain, _ = M.inv_freq({**base, "scaling": None})
-    linear, _ = M.inv_freq({**base, "scaling": {"rope_type": "linear", "factor": 8.0}})
+    plain, _ = inv_freq({**base, "scaling": None})
+    linear, _ = inv_freq({**base, "scaling": {"rope_type": "linear", "factor": 8.0}})
     assert torch.equal(linear, plain / 8.0)
-    llama3, _ = M.inv_freq({**base, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    llama3, _ = inv_freq({**base, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
     wavelen = 2 * math.pi / plain
     assert torch.equal(llama3[wavelen < 2048], plain[wavelen < 2048])          # fast: kept
@@ -244,9 +262,9 @@ def test_linear_and_llama3_scale_the_right_frequencies():
 def test_dynamic_grows_only_past_max_positions():
     rope = {"theta": 10000.0, "style": "half", "rotary_dim": 16, "head_dim": 16, "max_positions": 256,
             "scaling": {"rope_type": "dynamic", "factor": 2.0}}
-    plain, _ = M.inv_freq({**rope, "scaling": None})
-    assert torch.equal(M.inv_freq(rope)[0], plain) and torch.equal(M.inv_freq(rope, 256)[0], plain)
-    grown, _ = M.inv_freq(rope, 512)
+    plain, _ = inv_freq({**rope, "scaling": None})
+    assert torch.equal(inv_freq(rope)[0], plain) and torch.equal(inv_freq(rope, 256)[0], plain)
+    grown, _ = inv_freq(rope, 512)
     theta = 10000.0 * (2.0 * 512 / 256 - 1) ** (16 / 14)
     assert grown.tolist() == pytest.approx([theta ** (-2 * k / 16) for k in range(8)], rel=1e-6)
 
@@ -255,7 +273,7 @@ def test_unknown_scaling_type_is_named():
     rope = {"theta": 1.0, "style": "half", "rotary_dim": 4, "head_dim": 4, "max_positions": 8,
             "scaling": {"rope_type": "mrope"}}
     with pytest.raises(ValueError, match="'mrope' is not implemented"):
-        M.inv_freq(rope)
+        inv_freq(rope)
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +303,7 @@ def test_rotation_matches_transformers_bit_for_bit(family, dtype):
         q = torch.randn(2, 3, 40, rope["rotary_dim"]).to(dtype)
         kwargs = {"layer_type": layer_types[i]} if layer_types and family == "gemma4" else {}
         ref_cos, ref_sin = rotary(q, positions[None], **kwargs)  # in q's dtype, except OLMo-2's
-        ours = R.apply(q, *R.cos_sin(rope, positions), rope)
+        ours = apply(q, *cos_sin(rope, positions), rope)
         if family == "gemma4":
             ref = modeling.apply_rotary_pos_emb(q, ref_cos, ref_sin)
         elif rope["style"] == "interleaved":  # DeepSeek returns the rotated pairs de-interleaved
@@ -299,7 +317,7 @@ def test_rotation_matches_transformers_bit_for_bit(family, dtype):
 def test_partial_rotary_passes_the_rest_through():
     rope = {"theta": 10000.0, "style": "half", "rotary_dim": 8, "head_dim": 24, "scaling": None, "max_positions": 64}
     x = torch.randn(1, 2, 6, 24)
-    out = R.apply(x, *R.cos_sin(rope, torch.arange(6)), rope)
+    out = apply(x, *cos_sin(rope, torch.arange(6)), rope)
     assert torch.equal(out[..., 8:], x[..., 8:]) and not torch.equal(out[..., :8], x[..., :8])
     assert torch.allclose(out[..., :8].norm(dim=-1), x[..., :8].norm(dim=-1), rtol=1e-5)  # a rotation
 
@@ -344,7 +362,7 @@ def test_interleaved_checkpoint_gives_the_same_scores(kind, dtype):
 
     def rotated(w: torch.Tensor, rope: dict) -> torch.Tensor:
         q = (x @ w.T).view(1, seq, heads, dh).transpose(1, 2).to(dtype)          # [B, H, S, Dh]
-        return R.apply(q, *R.cos_sin(rope, torch.arange(seq)), rope)
+        return apply(q, *cos_sin(rope, torch.arange(seq)), rope)
 
     q_half, k_half = rotated(wq, half), rotated(wk, half)
     q_inter, k_inter = rotated(wq[rows], inter), rotated(wk[rows], inter)
