@@ -305,7 +305,7 @@ def _put(path: str, value):
     (_put("layers.0.attention.kind", "mla"), "kind 'mla' but mla is null"),
     (_put("num_layers", 3), "layers: 2 entries for num_layers 3"),
     (_put("dtype", "int8"), "dtype: Input should be"),
-    (_put("files", {}), "files: Dictionary should have at least 1 item"),
+    (_put("files", {}), "files: lists no file"),
     (_put("vocab_size", 300), "tensors.embed.tokens.weight: shape \\[256, 64\\] does not match the sizes"),
     (_put("layers.1.attention.head_dim", 32), "tensors.layers.1.attn.q.weight: shape \\[64, 64\\] does not match"),
     (_tensor("layers.1.attn.o.weight", dict.pop), "tensors: layers.1.attn.o.weight is missing"),
@@ -341,8 +341,8 @@ def test_manifest_files_outside_the_directory_are_refused(neutral, files, proble
 
 def test_a_manifest_hashes_its_files_by_parts_and_older_sha256_ones_still_verify(neutral):
     manifest = read_manifest(neutral)
-    assert manifest["source"]["hash"] == shards.HASH
-    assert list(manifest["files"]["model.safetensors"]) == [shards.HASH, "bytes"]
+    assert manifest.source.hash == shards.HASH
+    assert list(manifest.to_json()["files"]["model.safetensors"]) == [shards.HASH, "bytes"]
     load(neutral, verify=True)
 
     def as_before(m):  # what parity wrote before BLAKE3: sha256 everywhere, no source.hash
@@ -351,7 +351,7 @@ def test_a_manifest_hashes_its_files_by_parts_and_older_sha256_ones_still_verify
                                            "bytes": m["files"]["model.safetensors"]["bytes"]}
 
     _edit_manifest(neutral, as_before)
-    assert read_manifest(neutral)["files"]["model.safetensors"]["sha256"]
+    assert read_manifest(neutral).files["model.safetensors"].sha256
     load(neutral, verify=True)
     data = bytearray((neutral / "model.safetensors").read_bytes())
     data[-1] ^= 1
@@ -380,7 +380,7 @@ def test_families_with_mla_moe_and_per_layer_inputs_load(tiny_dir, tmp_path):
 
     for family in ("deepseek_v3", "gemma4", "bert"):
         manifest, tensors = load(convert(tiny_dir(family), tmp_path / family) and tmp_path / family)
-        assert set(manifest["tensors"]) <= set(tensors)
+        assert set(manifest.tensors) <= set(tensors)
 
 
 # --------------------------------------------------------------------------------------------
