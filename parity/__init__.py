@@ -19,6 +19,6 @@ def check(reference, candidate, options=None, **given):
     ``tolerance``, ``prompt``, ``ids``, ``length``, ``inputs_file``, ...), as keyword arguments or as one
     ``parity.checker.options.CheckOptions``; an unknown name is refused. See ``parity.checker.run.check``.
     """
-    from parity.checker.run import check as run
+    from parity.checker.run import check as run  # torch: `import parity` (and so parity --help) must not load it
 
     return run(reference, candidate, options, **given)

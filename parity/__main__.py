@@ -9,7 +9,7 @@ from parity import signals
 def main() -> None:
     signals.install()
     try:
-        from parity import cli
+        from parity import cli  # after signals.install(): an interrupt during the CLI's imports ends cleanly
     except KeyboardInterrupt:
         sys.stderr.write("parity: interrupted; nothing was written\n")
         if signals.received is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from parity import names
 from parity.errors import ParityError
 
 REPORT_VERSION = 1
@@ -270,8 +271,6 @@ def _float(x) -> float:
 
 
 def _point(p: dict) -> PointResult:
-    from parity import names
-
     name = _required(_typed(p, dict, "a point"), "name", str, "a point's name")
     names.point_order(name)  # a name parity can place in forward order
     tolerance = _required(p, "tolerance", dict, "a point's tolerance")
@@ -330,8 +329,6 @@ def merge_slices(reports: list[tuple[str, Report]]) -> Report:
     """Join the reports of ``--layers`` slices (source name, report) into the report of the whole model: the
     points in forward order, so that the first divergence is the first in the model. Slices that overlap, or
     come from different checks, are refused; a layer no slice covers leaves no verdict (ParityError)."""
-    from parity import names
-
     if not reports:
         raise ParityError("report merge: give the JSON reports of the slices to join")
     first_source, first = reports[0]

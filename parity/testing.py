@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
+from parity import check
+from parity.render import verdict
 from parity.report import Report
 
 
 def assert_parity(reference, candidate, **options) -> Report:
     """Run ``parity.check`` and raise AssertionError naming the first divergence when it fails."""
-    from parity import check
-    from parity.render import verdict
-
     report = check(reference, candidate, **options)
     if not report:
         raise AssertionError(verdict(report))

@@ -214,7 +214,7 @@ FAST: set[str] = {
     "test_held_out_ports.py", "test_input_ids.py",
     "test_layers.py", "test_layouts.py", "test_lengths.py",
     "test_moe_mla.py", "test_neutral_model.py", "test_options.py", "test_properties.py", "test_readers.py",
-    "test_real_configs.py",
+    "test_real_configs.py", "test_recognition.py",
     "test_render.py", "test_saved_buffers.py", "test_slices.py", "test_sliding_window.py", "test_spill.py",
     "test_tiers.py", "test_tp_dumps.py",
 }

@@ -64,6 +64,32 @@ def test_a_held_out_port_is_named(family, reference, candidate, bug, tmp_path):
     assert report.diagnosis[0]["bug"] == bug, report.diagnosis[:2]
 
 
+# ports whose value differs from the config's by one the catalog never injects: (family, the reference's config,
+# the port's, the mistake, the value the port used, which the diagnosis must fit within 5%)
+VALUED = [
+    ("gemma3", {"final_logit_softcapping": None}, {"final_logit_softcapping": 3.0}, "final-softcap-added", 3.0),
+    ("llama", {"rms_norm_eps": 1e-6}, {"rms_norm_eps": 2e-3}, "norm-eps-wrong", 2e-3),
+    ("qwen3", {}, {"rope_parameters+": {"rope_theta": 20000.0}}, "rope-theta-wrong", 20000.0),
+    ("granite", {}, {"embedding_multiplier": 3.0}, "embed-scale-wrong", 3.0),
+    # the routed scale dropped (sgl-project/sglang PR #8511: GLM-4.5) or set to another value
+    ("glm4_moe", {"routed_scaling_factor": 2.5}, {"routed_scaling_factor": 1.0}, "moe-routed-scale-dropped", None),
+    ("deepseek_v3", {}, {"routed_scaling_factor": 1.0}, "moe-routed-scale-dropped", None),
+    ("deepseek_v3", {}, {"routed_scaling_factor": 1.6}, "moe-routed-scale-wrong", 1.6),
+]
+
+
+@pytest.mark.parametrize("family,reference,candidate,bug,value", VALUED, ids=[f"{p[0]}-{p[3]}" for p in VALUED])
+def test_a_port_with_another_value_is_named_with_its_value(family, reference, candidate, bug, value, tmp_path):
+    ref, cand = _pair(tmp_path, family, reference, candidate)
+    report = check(ref, cand, layerwise=True, calibrate=True)
+    assert not report
+    top = report.diagnosis[0]
+    assert top["bug"] == bug, report.diagnosis[:2]
+    if value is not None:
+        assert abs(top["value"] / value - 1) < 0.05, top
+        assert f"{value:.3g}" in top["evidence"], top["evidence"]
+
+
 def test_the_same_config_is_clean(tmp_path):
     ref, cand = _pair(tmp_path, "gemma3", {"final_logit_softcapping": None}, {})
     assert check(ref, cand, layerwise=True, calibrate=True)

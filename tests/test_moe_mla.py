@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parity.adapter.declared import Source, fill
+from parity.neutral.declared import Source, fill
 from parity.checkpoint import open_checkpoint
 from parity.neutral.converter import to_neutral
 from parity.neutral.executor import mla

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from parity.adapter import load_all
-from parity.adapter.declared import SETTING, declaration, declarations
 from parity.checkpoint import open_checkpoint
 from parity.errors import ParityError
+from parity.adapter import schema
+from parity.neutral.declared import SETTING, declaration, declarations, settings
 from parity.neutral.converter import build_manifest
 from parity.neutral.manifest import validate_manifest
 from parity.neutral.model import Attention, File, Glu, Layer, Manifest, field_table
@@ -52,6 +53,32 @@ def test_a_convention_is_declared_once_and_read_off_the_adapter(tiny_dir):
     source = (ROOT / "parity" / "neutral" / "converter.py").read_text(encoding="utf-8")
     for convention in ("sinks", "residual_scale", "glu_up_offset", "softcap", "qk_norm"):
         assert convention not in source, f"parity/neutral/converter.py names {convention}: declare it in the model"
+
+
+def test_the_adapter_schema_takes_a_declared_convention_from_the_model():
+    """A setting the model declares with a default is a field of the adapter's section with that default, and no
+    section spells it again (a second place that must agree); the schema's own fields are those whose absence an
+    adapter says otherwise (``false``) than a manifest (``null``)."""
+    sections = {"norm": schema.NormConvention, "attention": schema.AttentionConvention,
+                "positions": schema.PositionConvention, "mlp": schema.MLPConvention,
+                "embedding": schema.EmbeddingConvention}
+    spelled_again = []
+    for key, info in settings(Manifest).items():
+        section, _, name = key.partition(".")
+        field = sections[section].model_fields.get(name)
+        assert field is not None, f"the model reads {key}, which no adapter can set"
+        if not info.is_required():
+            own = sections[section].__mro__[1].model_fields.get(name)  # the class as schema.py spells it
+            if own is not None and own.get_default() == info.get_default() \
+                    and type(own.get_default()) is type(info.get_default()):
+                spelled_again.append(key)
+            if own is None:
+                assert field.get_default() == info.get_default(), key
+    assert not spelled_again, f"parity/adapter/schema.py spells {spelled_again} again: drop them there"
+    assert schema.AttentionConvention.model_fields["sinks"].get_default() is False
+    assert "sinks" not in schema.AttentionConvention.__mro__[1].model_fields
+    assert schema.AdapterFile.model_fields["gguf"].annotation is not None  # the engine's section, found in its folder
+    assert load_all()["gpt_oss"].spec.attention.sinks is True
 
 
 @pytest.mark.parametrize("family", sorted(load_all()))

@@ -141,11 +141,11 @@ def test_closest_lists_only_mistakes_that_explain_a_share_of_the_error():
     from parity.diagnosis.diagnose import _named
 
     a, b = bugs.get("final-softcap-added"), bugs.get("embed-scale-dropped")
-    said = _named([(0.0032, a), (0.0032, b)], 0.0032, "layer 0 attn_out", "")[0]
+    said = _named([(0.0032, a, None, None), (0.0032, b, None, None)], 0.0032, "layer 0 attn_out", "")[0]
     assert said["bug"] == "unknown" and "closest" not in said["evidence"]
     assert "none of those that apply explains any real share of it (the best leaves a residual of 0.0032)" in \
         said["evidence"]
-    said = _named([(0.001, a), (0.0031, b)], 0.0032, "layer 0 attn_out", "")[0]
+    said = _named([(0.001, a, None, None), (0.0031, b, None, None)], 0.0032, "layer 0 attn_out", "")[0]
     assert "closest: final-softcap-added (residual 0.001)" in said["evidence"]
     assert "embed-scale-dropped" not in said["evidence"]
 

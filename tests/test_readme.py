@@ -142,17 +142,18 @@ def parse_matrix(markdown: str) -> list[selftest.Row]:
     prefill_only = {"-": None, "caught": True, "passed": False}
     for family, bug, dtype, check, detected, first, op, diagnosed, prefill, allclose, top1 in cells(
             "\n".join(line for line in markdown.splitlines() if line.startswith("|"))):
-        diagnosed = None if diagnosed == "-" else diagnosed.removesuffix(" ✗")
-        rows.append(selftest.Row(family, bug, dtype, yes[detected], None if first == "-" else first, diagnosed,
-                                 yes[allclose], yes[top1], check, prefill_only[prefill],
-                                 None if op.removesuffix(" ✗") == "-" else op.removesuffix(" ✗"),
-                                 False if op.endswith(" ✗") else _declared(bug, check, op)))
+        diagnosed, _, value = ("-" if diagnosed == "-" else diagnosed.removesuffix(" ✗")).partition(" = ")
+        rows.append(selftest.Row(family, bug, dtype, yes[detected], None if first == "-" else first,
+                                 None if diagnosed == "-" else diagnosed, yes[allclose], yes[top1], check,
+                                 prefill_only[prefill], None if op.removesuffix(" ✗") == "-" else op.removesuffix(" ✗"),
+                                 False if op.endswith(" ✗") else _declared(bug, check, op),
+                                 float(value) if value else None))
     return rows
 
 
 def _declared(bug: str, check: str, op: str) -> bool | None:
     """A row's op_right where the matrix shows no ✗: True where the catalog declares an op for a prefill row."""
-    if bug == "clean" or check != "prefill" or bugs.get(bug).op is None or op == "-":
+    if bug == "clean" or check != "prefill" or bugs.parse(bug)[0].op is None or op == "-":
         return None
     return True
 
@@ -162,7 +163,10 @@ def test_readme_selftest_summary_is_its_matrix_totals():
     rows = parse_matrix(matrix)
     assert matrix.splitlines()[-1] == selftest.summary(rows)
     assert matrix == selftest.markdown(rows)  # nothing in the block but what `--markdown` writes
-    assert {r.bug for r in rows} == {b.id for b in bugs.CATALOG} | {"clean"}
+    assert {r.bug.partition("=")[0] for r in rows} == {b.id for b in bugs.CATALOG} | {"clean"}
+    # each mistake with a size injected at two values besides the catalog's
+    assert sorted(r.bug.partition("=")[0] for r in rows if "=" in r.bug) == sorted(
+        2 * [b.id for b in bugs.CATALOG if b.size])
     assert len({r.family for r in rows if r.bug == "clean"}) == len({r.family for r in rows})
 
 

@@ -79,10 +79,17 @@ __all__ = [
 
 
 def recognise(config: dict, adapters: dict[str, Adapter], source: str = "config.json") -> tuple[Adapter, Variant]:
-    """Find the adapter and variant for a config: by architecture name first, then model_type."""
+    """Find the adapter and variant for a config: by its model_type (what transformers builds it by), the
+    architecture name telling apart the variants of one model_type; by the architecture name alone only where no
+    adapter claims the model_type. That is a hint: a checkpoint saved with a borrowed class (EXAONE's
+    LlamaForCausalLM) may store its tensors otherwise, and open_checkpoint checks them against the tensor map."""
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
-    for match in (lambda v: any(a in v.architectures for a in archs), lambda v: v.model_type == model_type):
+
+    def named(v: Variant) -> bool:
+        return any(a in v.architectures for a in archs)
+
+    for match in (lambda v: v.model_type == model_type and named(v), lambda v: v.model_type == model_type, named):
         for adapter in adapters.values():
             for variant in adapter.spec.variants:
                 if match(variant):

@@ -8,12 +8,16 @@ spell them; ``parity adapters --resolved NAME`` prints every field as resolved. 
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from importlib.util import find_spec
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
+from parity.neutral.declared import settings
 from parity.adapter.expr import compile_expr
-from parity.engines.gguf.adapter import GGUFExport
+from parity.neutral.model import Manifest
 
 
 class _Strict(BaseModel):
@@ -119,7 +123,6 @@ class NormConvention(_Strict):
     placement: Value
     final: Value
     embedding: Value = False
-    residual_scale: Value = 1.0   # what each sublayer's output is multiplied by before it is added (Granite)
 
 
 class AttentionConvention(_Strict):
@@ -135,7 +138,6 @@ class AttentionConvention(_Strict):
     fused_qkv: Value = False
     qk_norm: Value = "none"
     qk_norm_weight: Value = "weight"
-    qk_norm_after_rope: Value = False   # the QK-Norm reads the rotated q/k (Llama 4's L2 norm), not the projections
     v_norm: Value = "none"
     scale: Value
     softcap: Value = False
@@ -154,9 +156,6 @@ class AttentionConvention(_Strict):
     qk_nope_head_dim: Value = False
     qk_rope_head_dim: Value = False
     v_head_dim: Value = False
-    # a learned logit per head (attn.sinks [heads]) joined to each query's scores as one more column of the
-    # softmax, whose probability is then dropped: the weights over the keys sum to less than 1 (GPT-OSS)
-    sinks: Value = False
 
 
 class PositionConvention(_Strict):
@@ -177,12 +176,6 @@ class MLPConvention(_Strict):
     activation: Value
     intermediate_size: Value
     bias: Value = False
-    # per layer: the MLP runs beside attention, on the layer's input through its own norm, and both outputs are added
-    # to that input: x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX's use_parallel_residual); such a layer has no `mid`
-    parallel: Value = False
-    # per layer, with parallel: the MLP reads what attention reads, through the one norm both share (Phi's
-    # input_layernorm): x + attn(ln(x)) + mlp(ln(x)); the layer has no MLP norm of its own
-    shared_norm: Value = False
     moe: Value = False
     moe_routing: Value = "none"
     experts: Value = False
@@ -192,27 +185,14 @@ class MLPConvention(_Strict):
     # the shared experts' MLP width where it is not moe_intermediate_size * shared_experts (Qwen2-MoE's one shared
     # expert of shared_expert_intermediate_size); none: that product
     moe_shared_intermediate_size: Value = False
-    # the shared experts' output times sigmoid(x @ moe.shared_gate.weight.T), one gate per token ([1, hidden]:
-    # Qwen2-MoE's shared_expert_gate); false: added as it is (DeepSeek-V3)
-    moe_shared_gate: Value = False
     moe_groups: Value = False            # experts are chosen within groups (DeepSeek-V3 n_group); none = one group
     moe_groups_kept: Value = False       # groups kept per token (topk_group)
-    moe_renormalise: Value = False       # top-k weights rescaled to sum to 1
     moe_scale: Value = False             # routed output multiplier (routed_scaling_factor); none = 1
     moe_router_input_scale: Value = False  # the router's input is multiplied by this (Gemma 4: hidden ** -0.5)
     moe_router_dtype: Value = "model"      # "float32": router weights kept and applied in float32 (DeepSeek-V3); "model"
-    # The dtype in which the routing weights multiply the experts' outputs: "float32" (the weights stay float32,
-    # as DeepSeek-V3, Gemma 4 and Mixtral leave them), or "model" (cast to the model dtype first, as
-    # Qwen3MoeTopKRouter does). Only a low-precision run can tell; absent means "float32".
-    moe_weights_dtype: Value = "float32"
-    # the routing weights multiply each chosen expert's input rather than its output (Llama 4: experts(x * w))
-    moe_weights_input: Value = False
-    # The gated unit's arithmetic beyond act(gate) * up (GPT-OSS's clamped SwiGLU, dense MLP and experts alike):
-    # gate clamped to at most glu_limit and up to [-glu_limit, glu_limit] (none: no clamp); the activation read
-    # at glu_alpha * gate and divided by it (silu: gate * sigmoid(glu_alpha * gate)); up + glu_up_offset.
+    # GPT-OSS's clamped SwiGLU (dense MLP and experts alike): gate clamped to at most glu_limit and up to
+    # [-glu_limit, glu_limit]; none: no clamp
     glu_limit: Value = False
-    glu_alpha: Value = 1.0
-    glu_up_offset: Value = 0.0
 
 
 class EmbeddingConvention(_Strict):
@@ -222,7 +202,24 @@ class EmbeddingConvention(_Strict):
     final_softcap: Value = False
     head_transform: Value = False
     per_layer_input_size: Value = False
-    logit_scale: Value = 1.0   # the logits are multiplied by it (Cohere's logit_scale; Granite's 1 / logits_scaling)
+
+
+def _declared(section: type[_Strict], name: str) -> type[_Strict]:
+    """``section`` with a field for every setting ``[name].KEY`` the neutral model declares with a default
+    (parity.neutral.model: ``setting("attention.sinks", meaning, False)``): a convention is declared once, there,
+    with its meaning and its default, and an adapter file may set it. The fields above are the settings the model
+    reads with another default (an adapter's ``false`` for absent, the manifest's ``null``) or not at all."""
+    added = {key.partition(".")[2]: (Value, info.get_default()) for key, info in settings(Manifest).items()
+             if key.partition(".")[0] == name and not info.is_required()
+             and key.partition(".")[2] not in section.model_fields}
+    return create_model(section.__name__, __base__=section, __module__=__name__, **added)
+
+
+NormConvention = _declared(NormConvention, "norm")
+AttentionConvention = _declared(AttentionConvention, "attention")
+PositionConvention = _declared(PositionConvention, "positions")
+MLPConvention = _declared(MLPConvention, "mlp")
+EmbeddingConvention = _declared(EmbeddingConvention, "embedding")
 
 
 class NormModule(_Strict):
@@ -370,8 +367,23 @@ class AdapterFile(_Strict):
     capture: dict[str, CapturePoint]
     # operation-level points (docs/ops.md): an entry, or alternatives of which the first whose `when` holds is read
     ops: dict[str, Union[OpPoint, list[OpPoint]]] = {}
-    gguf: Union[GGUFExport, None] = None   # absent: the family is not exported to GGUF
     tiny: Tiny
+
+
+def _engine_sections() -> dict[str, Any]:
+    """Each engine's section of an adapter file, named after its folder: the ``SECTION`` its
+    ``parity/engines/<engine>/adapter.py`` declares (an engine in one folder: no line here names it); absent from
+    a file, the family is not exported to that engine."""
+    engines = find_spec("parity.engines")
+    found = {}
+    for engine in pkgutil.iter_modules(engines.submodule_search_locations):
+        module = f"parity.engines.{engine.name}.adapter"
+        if engine.ispkg and find_spec(module) is not None:
+            found[engine.name] = (Union[importlib.import_module(module).SECTION, None], None)
+    return found
+
+
+AdapterFile = create_model("AdapterFile", __base__=AdapterFile, __module__=__name__, **_engine_sections())
 
 
 SECTIONS = ("norm", "attention", "positions", "mlp", "embedding")

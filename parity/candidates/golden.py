@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from parity.errors import ParityError
+from parity.reference.golden import is_golden, open_golden
 
 KIND = "golden"
 TAKES = "a golden (golden.json)"
@@ -18,14 +19,10 @@ GENERIC = True      # reads points by module path or name: checks a model no ada
 
 
 def detect(path: Path) -> bool:
-    from parity.reference.golden import is_golden
-
     return is_golden(Path(path))
 
 
 def validate(path: Path, adapter_dirs=()) -> None:
-    from parity.reference.golden import open_golden
-
     open_golden(Path(path), adapter_dirs)  # its description, config and every run's files, checked now
 
 
@@ -42,8 +39,6 @@ def _run_of(golden, ids: torch.Tensor) -> int:
 
 
 def make_runner(candidate, ids: torch.Tensor, feed):
-    from parity.reference.golden import open_golden
-
     if feed is not None:
         raise ParityError(f"--candidate {candidate.path}: a golden holds one free run and cannot be fed the "
                           f"reference's layer inputs; drop --isolate")
@@ -53,8 +48,6 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The golden's stored decode steps, after checking it was fed these tokens."""
-    from parity.reference.golden import open_golden
-
     golden = open_golden(Path(candidate.path), candidate.models.adapter_dirs)
     k = _run_of(golden, ids)
     held = golden.decode_steps(len(tokens), k)

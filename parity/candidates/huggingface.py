@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from parity.candidates.weights import checkpoint
 from parity.checkpoint import inventory, open_checkpoint, refuse_mismatched, weight_files
 from parity.errors import ParityError
 from parity.reference.capture import ATTENTION
@@ -52,7 +53,7 @@ def validate(path: Path, adapter_dirs=()) -> None:
 def kernels() -> list[str]:
     """The attention implementations transformers here can be asked for by name: eager and those registered with
     its AttentionInterface (sdpa, flex_attention, flash_attention_*, and any a user registered)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # heavy: transformers
 
     names = ["eager"] + [k for k in AttentionInterface._global_mapping if not k.startswith("paged|") and k != ATTENTION]
     return list(dict.fromkeys(names))
@@ -86,7 +87,7 @@ def kernel(candidate, ckpt) -> tuple[str, bool]:
     asks first), with a note where the kernel is given no mask."""
     check_options(candidate.options, ckpt, candidate.models.stream)
     attn, compile = candidate.options.attn or "eager", bool(candidate.options.compile)
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface  # heavy: transformers
 
     if attn not in AttentionMaskInterface._global_mapping:  # transformers then passes attention_mask=None
         candidate.notes.warn(f"attention kernel {attn} has no mask function registered with transformers' "
@@ -154,6 +155,4 @@ def shapes(path: Path, adapter_dirs=()) -> list:
 
 def weights(path: Path, engine: dict | None = None):
     """Its tensors' dtypes, from the safetensors headers (a quantization_config names its scheme)."""
-    from parity.candidates.weights import checkpoint
-
     return checkpoint(path)

@@ -39,6 +39,7 @@ import torch
 
 from parity.adapter import ResolvedCapture
 from parity.errors import ParityError
+from parity.reference.capture import hooks
 
 KIND = "python"
 ALIASES = ("python-engine",)
@@ -154,8 +155,6 @@ def make_runner(candidate, ids: torch.Tensor, feed):
     run = getattr(module, "forward", None) or (lambda model, ids: model(ids))
 
     def runner(emit) -> None:
-        from parity.reference.capture import hooks
-
         seen: set[str] = set()
 
         def once(point: str, t: torch.Tensor) -> None:  # a module called again (TransformerLens's ln1, for q, k

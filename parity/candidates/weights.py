@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+from parity.checkpoint import inventory, read_config, weight_files
+from parity.storage.shards import CODES, DTYPE_BITS, FLOAT_DTYPES
 from parity.weights import Tally, Weights
 
 
@@ -11,11 +14,6 @@ def checkpoint(path, dtype: str | None = None) -> Weights:
     """A Hugging Face checkpoint's (or neutral directory's) weights as its safetensors headers state them, or as a
     conversion to ``dtype`` ("float16") would store them: its float tensors cast, the rest as they are. The
     config's quantization_config names its scheme, where it has one; its packed tensors' bits are then unknown."""
-    from pathlib import Path
-
-    from parity.checkpoint import inventory, read_config, weight_files
-    from parity.storage.shards import CODES, DTYPE_BITS, FLOAT_DTYPES
-
     cast = CODES[dtype] if dtype is not None else None
     tally = Tally()
     for info in inventory(weight_files(Path(path))).values():

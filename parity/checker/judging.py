@@ -16,6 +16,8 @@ from pathlib import Path
 
 from parity.weights import Weights
 from parity.checker.options import CheckOptions
+from parity.checker.plan import engine_options, parse_layers
+from parity.checker.sides import candidate_kind, open_reference
 from parity.errors import ParityError
 
 # the logit metrics a quantization's cost reports (parity.compare.logit_metrics' names)
@@ -85,9 +87,6 @@ def _gates(options: CheckOptions) -> dict[str, float]:
 
 def choose(reference: Path, candidate, options: CheckOptions) -> Judging:
     """How ``candidate`` is judged against ``reference`` under ``options`` (refusing a gate it cannot apply)."""
-    from parity.checker.plan import engine_options
-    from parity.checker.sides import candidate_kind, open_reference
-
     gates = _gates(options)
     kind, path = candidate_kind(candidate)
     weights = kind.weights(Path(path), engine_options(kind, options.engine_options)) if kind.weights else None
@@ -114,8 +113,6 @@ def choose(reference: Path, candidate, options: CheckOptions) -> Judging:
             raise ParityError(f"--max-kl / --min-top1 gate the logits; a {ckpt.resolved.family} model has none "
                               f"(no LM head): drop them")
         if options.layers is not None:
-            from parity.checker.plan import parse_layers
-
             span = parse_layers(options.layers, ckpt.resolved.num_layers)
             if span.stop < span.of:
                 raise ParityError(f"--max-kl / --min-top1 gate the logits, which only a slice ending at the last layer "

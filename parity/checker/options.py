@@ -56,7 +56,8 @@ class CheckOptions:
                           "single-token steps with its own cache, each compared with the reference's uncached "
                           "forward at that position.", count=True, metavar="N")
     inject: str | None = _option(None, "--inject", "Run a neutral candidate with a catalogued porting mistake "
-                                 "applied (see `parity bugs`).", metavar="BUG")
+                                 "applied (see `parity bugs`); BUG=VALUE: one with a size, at the port's value "
+                                 "(final-softcap-added=3.0).", metavar="BUG")
     checkpoint: Path | None = _option(None, "--checkpoint", "With a golden --reference: the checkpoint it must have "
                                       "been recorded from (sha256 checked).", path=True)
     provider: str | None = _option(None, "--provider", "Graph candidates: the runtime's execution provider (default "

@@ -15,12 +15,15 @@ from pathlib import Path
 import torch
 
 from parity import candidates, names
+from parity.adapter import needs_family
 from parity.candidates import Kind, Options
 from parity.checker.options import CheckOptions
 from parity.checker.sides import CandidateSide, candidate_kind, open_reference
 from parity.checkpoint.inputs import Inputs
 from parity.compare import Tolerances
+from parity.diagnosis import bugs
 from parity.errors import ParityError
+from parity.reference.decode import decodes, prompt_length
 from parity.reference.models import DTYPES, device_count, resolve_device, would_not_fit
 
 
@@ -157,8 +160,6 @@ def make_plan(reference: Path, candidate: Path, options: CheckOptions, arithmeti
     """The plan of ``parity check`` for these options (parity.checker.run.check documents them), or the
     ParityError of the first one that cannot be honoured. ``arithmetic``: how the candidate's engine computes,
     which a same-weights reference at ``reference`` emulates (parity.checker.run.check_same_weights)."""
-    from parity.diagnosis import bugs
-
     o = options
     dtype, points, tolerance, inject, adapter_dirs = o.dtype, o.points, o.tolerance, o.inject, o.adapter_dirs
     calibrate, isolate, generate, decode, layers = o.calibrate, o.isolate, o.generate, o.decode, o.layers
@@ -172,7 +173,7 @@ def make_plan(reference: Path, candidate: Path, options: CheckOptions, arithmeti
     _count("decode", decode, "steps")
     tolerances = Tolerances(dtype, list(tolerance))
     if inject:
-        bugs.get(inject)
+        bugs.parse(inject)
     if arithmetic is not None and not arithmetic.rounds:
         arithmetic = None  # nothing rounded (an all-F32 file): the engine computes in float32, as the reference
     truth = open_reference(Path(reference), adapter_dirs, arithmetic)
@@ -251,8 +252,6 @@ def _wrong_input(kind: Kind, path: Path, inputs: tuple[Inputs, ...], ckpt) -> tu
 def _check_generic(ckpt, kind: Kind, candidate: Path, inject: str | None) -> None:
     """A model no adapter knows (its structure discovered from transformers) is compared layer by layer, and
     nothing more: refuse what needs its family's conventions."""
-    from parity.adapter import needs_family
-
     if inject:
         needs_family(ckpt.resolved, "--inject (a neutral candidate running a catalogued mistake)")
     if not kind.generic:
@@ -264,8 +263,6 @@ def _check_generic(ckpt, kind: Kind, candidate: Path, inject: str | None) -> Non
 def _decode_prompt(truth, isolate: bool, layers: str | None, n: int, prompt, ids, length, inputs_file) -> int | None:
     """Refuse --decode where it cannot run, each with its fix; the prompt length it chooses when none is given
     (one that makes decoding cross each sliding window)."""
-    from parity.reference.decode import decodes, prompt_length
-
     if not decodes(truth.checkpoint):
         raise ParityError(f"--decode: a {truth.checkpoint.resolved.family} model is not a causal language model (it "
                           f"has no decode steps); drop --decode")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import transformers
 
 from parity import __version__, dumps
 from parity.checker.noise import Twin
@@ -88,8 +89,6 @@ def record(reference: Path, out: Path, *, prompts: Prompts = Prompts(), dtype: s
     ``decode`` N also stores the first input's greedy continuation (N tokens) and each decode step's points (the
     uncached forward at its position, ``decode.{point}`` [1, N, width]): an engine's decode path is then checked
     against the golden (``check --decode N``) without transformers."""
-    import transformers
-
     say = progress or (lambda message: None)
     if dtype not in DTYPES:
         raise ParityError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")

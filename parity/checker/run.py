@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from parity import candidates, names
+from parity.checker.decoding import compare_steps, reference_steps
 from parity.checker.drill import drill
 from parity.checker.judge import merge
 from parity.checker.judging import Judging, choose, cost_of, cost_options, gate
@@ -30,6 +31,7 @@ from parity.checker.sides import candidate_kind, open_reference
 from parity.checkpoint import Checkpoint, open_checkpoint
 from parity.checkpoint.inputs import check_length
 from parity.checkpoint.lengths import exercised
+from parity.diagnosis.diagnose import diagnose, diagnose_decode
 from parity.errors import ParityError
 from parity.reference.models import Models, first_device
 from parity.reference.structure import discover
@@ -126,8 +128,6 @@ def run(plan: Plan, *, progress: Callable[[str], None] | None = None,
     quantized = _quantization_weights(plan, models, report, say) if plan.quantized_noise else None
     stepped = None
     if plan.decode:  # the reference's decode steps first: then it can be dropped before the candidate is loaded
-        from parity.checker.decoding import reference_steps
-
         stepped = reference_steps(plan, models, plan.inputs[0].ids, say)
     kept_by_run: dict[int, dict] = {}
     runs = []
@@ -165,6 +165,8 @@ def _new_report(plan: Plan) -> Report:
     if not plan.span.whole:
         report.layers = plan.span.to_json()
     r = plan.checkpoint.resolved
+    if plan.checkpoint.unfit:
+        report.warnings.append(f"adapter not used: {plan.checkpoint.unfit}")
     if r.generic:  # no adapter: the structure discovered from transformers, the conventions unknown
         found = r.adapter.discovered or {}
         report.generic = {"family_known": False, "model_type": r.family, "discovered": found,
@@ -210,8 +212,6 @@ def _wrong_input(plan: Plan, report: Report) -> Report:
 
 
 def _decode(plan: Plan, models: Models, stepped, report: Report, say: Callable[[str], None]):
-    from parity.checker.decoding import compare_steps
-
     decoded = compare_steps(plan, models, stepped, plan.inputs[0].ids, say)
     report.points += decoded.points
     report.decode = decoded.summary.to_json()
@@ -230,14 +230,10 @@ def _diagnose(plan: Plan, report: Report, kept_by_run: dict[int, dict], decoded,
         return
     kept = kept_by_run.get(first.run, {})
     if first.step is not None:
-        from parity.diagnosis.diagnose import diagnose_decode
-
         say("diagnosing")
         report.diagnosis = diagnose_decode(plan.weights, decoded.kept, plan.inputs[0].ids,
                                            decoded.summary.tokens, plan.low, adapter_dirs=plan.adapter_dirs)
     elif first.name in kept.get("candidate", {}):
-        from parity.diagnosis.diagnose import diagnose
-
         say("diagnosing")
         report.diagnosis = diagnose(plan.weights, first.name, first.tolerance.rel_l2, kept["candidate"],
                                     kept["reference"], kept["ids"], plan.low, adapter_dirs=plan.adapter_dirs,

@@ -16,6 +16,7 @@ candidate side through CandidateSide, which is all the check knows of kinds.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,6 +28,8 @@ from parity.candidates import Candidate, Kind, Notes, Options
 from parity.checkpoint import Checkpoint, open_checkpoint, refuse_mismatched
 from parity.checkpoint.inputs import Inputs, select_inputs
 from parity.errors import ParityError
+from parity.reference.decode import decodes, greedy, prompt_length, uncached_steps
+from parity.reference.golden import is_golden, open_golden
 from parity.reference.models import Emit, Models, hf_runner, replay_steps
 from parity.reference.structure import discover
 
@@ -68,15 +71,11 @@ class TransformersSide:
 
     def continuation(self, models: Models, k: int, ids: torch.Tensor, n: int) -> list[int]:
         """The n tokens a decode check feeds: the reference's greedy continuation."""
-        from parity.reference.decode import greedy
-
         return greedy(models, self.checkpoint, ids, n)
 
     def decode(self, models: Models, k: int, ids: torch.Tensor, tokens: list[int], points: set[str]):
         """The truth for each step: one forward over the prompt and the tokens, without a cache (where no cache
         can be wrong)."""
-        from parity.reference.decode import uncached_steps
-
         steps = uncached_steps(models, self.checkpoint, ids, tokens, points, self.arithmetic) if points else {}
         return replay_steps(steps, len(tokens))
 
@@ -127,8 +126,6 @@ class GoldenSide:
 def open_reference(path: Path, adapter_dirs=(), arithmetic=None):
     """The reference at ``path``: a golden directory, else a Hugging Face checkpoint (computing with
     ``arithmetic``, when given: a same-weights reference)."""
-    from parity.reference.golden import is_golden, open_golden
-
     if is_golden(Path(path)):
         return GoldenSide(open_golden(Path(path), adapter_dirs))
     return TransformersSide(path, adapter_dirs, arithmetic)
@@ -179,8 +176,6 @@ class KindRow:
 def kind_rows() -> list[KindRow]:
     """Every candidate kind as `parity engines` lists it: how it is taken, what it can do, its engine options, and
     whether its engine is installed here (and the extra that installs it where not)."""
-    import importlib.util
-
     rows = []
     for kind in candidates.kinds().values():
         installed = kind.requires is None or importlib.util.find_spec(kind.requires[0]) is not None
@@ -219,8 +214,6 @@ def inputs_for(reference: Path, prompts, *, adapter_dirs=(), decode: int = 0
     ``decode`` N the N tokens it must then be fed one step at a time after the first prompt (the reference's
     greedy continuation: a golden's stored one, or computed by transformers). ``prompts``: a
     parity.checkpoint.inputs.Prompts."""
-    from parity.reference.decode import decodes, prompt_length
-
     truth = open_reference(Path(reference), adapter_dirs)
     if decode and not decodes(truth.checkpoint):
         raise ParityError(f"--decode: a {truth.checkpoint.resolved.family} model is not a causal language model; "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -28,8 +28,9 @@ from parity.storage.jsonfile import read_json
 from parity.storage.quantization import FP8_DTYPES, BlockFP8, read_quantization, scale_name, scale_shape
 from parity.storage.shards import plain_file_name, read_header
 
-# (config, its file's name) -> a generated adapter, or None (parity.reference.structure.discover)
-Discover = Callable[[dict, str], Optional[Adapter]]
+# (config, its file's name[, a checkpoint's tensors]) -> a generated adapter, or None
+# (parity.reference.structure.discover)
+Discover = Callable[..., Optional[Adapter]]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -300,6 +301,8 @@ class Checkpoint:
     files: list[Path]
     tensors: dict[str, TensorInfo]
     quantization: BlockFP8 | None = None
+    # why the adapter recognised was not used: its tensor map did not fit these tensors, transformers' model did
+    unfit: str | None = None
 
     @property
     def has_weights(self) -> bool:
@@ -322,15 +325,18 @@ def resolve_config(config: dict, cfg_path: Path, adapters: dict[str, Adapter],
         if generated is None:
             raise
         adapter, variant = generated, generated.spec.variants[0]
+    return adapter, variant, _resolve(adapter, variant, config, cfg_path)
+
+
+def _resolve(adapter: Adapter, variant: Variant, config: dict, cfg_path: Path) -> Resolved:
     inner = text_config(config, variant, str(cfg_path))
     try:
-        resolved = resolve(adapter, variant, inner, wrapper=config if inner is not config else None)
+        return resolve(adapter, variant, inner, wrapper=config if inner is not config else None)
     except ParityError:
         raise
     except Exception as exc:  # noqa: BLE001 - a value of a type or range the adapter's expressions cannot take
         raise ParityError(f"{cfg_path}: does not resolve as a {adapter.family} config ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:160] if str(exc) else 'no message'}); fix the config") from None
-    return adapter, variant, resolved
 
 
 def open_checkpoint(path: Path, adapter_dirs=(), *, adapters: dict[str, Adapter] | None = None,
@@ -346,8 +352,45 @@ def open_checkpoint(path: Path, adapter_dirs=(), *, adapters: dict[str, Adapter]
     tensors = inventory(files)
     if files:
         check_index(path, tensors)
-    return Checkpoint(path=path, config_path=cfg_path, config=config, adapter=adapter, variant=variant,
+    ckpt = Checkpoint(path=path, config_path=cfg_path, config=config, adapter=adapter, variant=variant,
                       resolved=resolved, files=files, tensors=tensors, quantization=quantization)
+    return _unadapted(ckpt, discover) if files and discover is not None and not resolved.generic else ckpt
+
+
+def _unadapted(ckpt: Checkpoint, discover: Discover) -> Checkpoint:
+    """The checkpoint compared as a model no adapter knows where its adapter's tensor map does not fit its tensors
+    but transformers' own model loads them (a borrowed class: EXAONE saved as LlamaForCausalLM with EXAONE's
+    tensor names, which transformers renames as it loads). An adapter recognised by the architecture name alone
+    must fit exactly: a tensor it does not map says its config keys are not the ones it reads (InternLM3's
+    qkv_bias, an alias of Llama's attention_bias). Where transformers does not load them either, a checkpoint of
+    the adapter's own model_type is left for refuse_mismatched to refuse; one that borrowed the class name is
+    refused with what transformers' model lacks."""
+    borrowed = ckpt.variant.model_type != ckpt.config.get("model_type")
+    found = ckpt.check()
+    if not (found.missing or found.wrong_shape or (borrowed and found.unexpected)):
+        return ckpt
+    try:
+        generated = discover(ckpt.config, str(ckpt.config_path), ckpt.tensors)
+    except ParityError:
+        if not borrowed:
+            return ckpt
+        raise
+    if generated is None:
+        return ckpt
+    variant = generated.spec.variants[0]
+    resolved = _resolve(generated, variant, ckpt.config, ckpt.config_path)
+    why = (f"the {ckpt.resolved.family} adapter does not fit these tensors ({_listed(found, unexpected=True)}) and "
+           f"transformers' {variant.architectures[0]} loads them, so {resolved.family} is compared as a model no "
+           f"adapter knows")
+    return replace(ckpt, adapter=generated, variant=variant, resolved=resolved, unfit=why)
+
+
+def _listed(found: TensorCheck, unexpected: bool = False) -> str:
+    """What does not fit, each kind counted and its first names given."""
+    kinds = (("missing", found.missing), ("wrong shape", found.wrong_shape),
+             ("unexpected", found.unexpected if unexpected else []))
+    return "; ".join(f"{label} ({len(items)}): {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
+                     for label, items in kinds if items)
 
 
 def refuse_mismatched(ckpt: Checkpoint, role: str) -> None:
@@ -355,8 +398,5 @@ def refuse_mismatched(ckpt: Checkpoint, role: str) -> None:
     or initialise the missing weights at random and give a verdict about noise."""
     found = ckpt.check()
     if found.missing or found.wrong_shape:
-        problems = "; ".join(f"{label} ({len(items)}): {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
-                             for label, items in (("missing", found.missing), ("wrong shape", found.wrong_shape))
-                             if items)
-        raise ParityError(f"{role} {ckpt.path}: tensors do not match its config ({ckpt.resolved.family}): {problems}; "
-                          f"check that config.json belongs to these weights")
+        raise ParityError(f"{role} {ckpt.path}: tensors do not match its config ({ckpt.resolved.family}): "
+                          f"{_listed(found)}; check that config.json belongs to these weights")

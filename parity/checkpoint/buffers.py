@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 
 from parity.adapter import Resolved, ResolvedBuffer
-from parity.adapter.declared import Source, fill
+from parity.neutral.declared import Source, fill
 from parity.checkpoint import Checkpoint, TensorCheck
 from parity.neutral.model import Rope
 from parity.rope import inv_freq
+from parity.storage.lazy import TensorFiles
 
 # How far a saved inv_freq may sit from the one the config implies: float32 buffers were computed as parity
 # computes them (a few ulps apart); 16-bit ones were rounded once (bf16 keeps 8 bits: 2 ** -8 relative).
@@ -94,8 +95,6 @@ def _tied_copy_verdict(x: torch.Tensor, same: torch.Tensor, same_name: str) -> t
 
 def check_buffers(ckpt: Checkpoint, check: TensorCheck) -> list[dict]:
     """Every saved buffer the checkpoint holds: what it is, and whether it agrees with the config."""
-    from parity.storage.lazy import TensorFiles
-
     buffers = ckpt.resolved.buffer_map(check.prefix)
     files = TensorFiles({name: info.file for name, info in ckpt.tensors.items()})
     out = []

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from parity.checkpoint import Checkpoint
 from parity.checkpoint.lengths import default_length
@@ -97,8 +98,6 @@ def _tokenize(ckpt: Checkpoint, prompt: str) -> list[int]:
     file = ckpt.path / "tokenizer.json"
     if not file.exists():
         raise ParityError(f"{ckpt.path}: no tokenizer.json to tokenize --prompt; give --ids or --length")
-    from tokenizers import Tokenizer
-
     ids = Tokenizer.from_file(str(file)).encode(prompt).ids
     trim_heap()  # a large vocabulary's tokenizer (Gemma 3's: 262,144 pieces) leaves ~0.1 GB of heap behind it
     return ids

@@ -20,9 +20,10 @@ try:  # an interrupt while the imports run ends like one during a command
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+    from tokenizers import Tokenizer
 
-    from parity import __version__
-    from parity.adapter import load_all
+    from parity import __version__, render
+    from parity.adapter import load_all, resolved_data
     from parity.cli.common import CONTEXT, Group, Outputs, adapters_option, check_options, run_check
     from parity.cli.common import console as console_for_output
     from parity.cli.golden import golden_group, inputs_cmd, report_group
@@ -59,8 +60,7 @@ def adapters_cmd(adapter_dirs, as_json, resolved):
       parity adapters
       parity adapters --resolved mistral     # llama's data with mistral's differences merged in
     """
-    from parity.adapter import resolved_data
-    from parity.checkpoint.inspection import describe_family
+    from parity.checkpoint.inspection import describe_family  # torch: loaded when a command runs, not for --help
 
     adapters = load_all(adapter_dirs)
     if resolved is not None:
@@ -100,15 +100,14 @@ def inspect_cmd(path, adapter_dirs, as_json):
 
 
 def _inspect(path: Path, adapter_dirs, as_json: bool) -> None:
-    from parity.checkpoint import open_checkpoint
-    from parity.checkpoint.inspection import render, report
+    from parity.checkpoint import inspection, open_checkpoint  # torch: loaded when a command runs, not for --help
 
     ckpt = open_checkpoint(path, adapter_dirs)
-    found = report(ckpt)
+    found = inspection.report(ckpt)
     if as_json:
         click.echo(json.dumps(found.to_json(), indent=2, default=str))
     else:
-        render(found, ckpt, Console())
+        inspection.render(found, ckpt, Console())
     w = found.weights
     if w is not None and not w.accounted_for:  # the report is shown, and a gate on inspect sees damage
         wrong = ((len(names), kind) for kind, names in (("missing", w.missing), ("unexpected", w.unexpected),
@@ -137,7 +136,7 @@ def make_tiny_cmd(family, out, layers, seed, dtype, force, adapter_dirs):
     Example:
       parity make-tiny gemma2 -o /tmp/tiny-gemma2 --layers 4
     """
-    from parity.reference.tiny import make_tiny
+    from parity.reference.tiny import make_tiny  # torch: loaded when a command runs, not for --help
 
     adapters = load_all(adapter_dirs)
     if family not in adapters:
@@ -205,18 +204,18 @@ def convert_cmd(model_dir, target, out, force, adapter_dirs, **formats):
     f = Formats(**formats)
     dtype, inject, onnx_quant = f.dtype, f.inject, f.onnx_quant
     if target == "gguf":
-        from parity.engines.gguf.export import export as to_gguf
+        from parity.engines.gguf.export import export as to_gguf  # torch: loaded when a command runs, not for --help
 
         done = to_gguf(model_dir, out, qtype=f.gguf_type, force=force, adapter_dirs=adapter_dirs, inject=inject)
         click.echo(f"wrote {out}: llama.cpp architecture {done['arch']}, {len(done['tensors'])} tensors, "
                    f"{done['family']}; {done['summary']}")
         return
     if target == "onnx":
-        from parity.engines.onnx.export import export
+        from parity.engines.onnx.export import export  # torch: loaded when a command runs, not for --help
 
         graph = dict(debug_outputs=f.debug_outputs, op_outputs=f.op_outputs, opset=f.opset, kv_cache=f.kv_cache)
         if onnx_quant:
-            from parity.engines.onnx.quantize import quantize
+            from parity.engines.onnx.quantize import quantize  # heavy: numpy, not for --help
 
             done = quantize(model_dir, out, onnx_quant, dtype=dtype, force=force, adapter_dirs=adapter_dirs,
                             inject=inject, **graph)
@@ -228,7 +227,7 @@ def convert_cmd(model_dir, target, out, force, adapter_dirs, **formats):
         click.echo(f"wrote {out}: {done['dtype']}, {done['manifest'].source.family}, "
                    f"{len(done['outputs'])} output(s){', external data ' + out.name + '.data' if done['external_data'] else ''}")
         return
-    from parity.neutral.converter import convert
+    from parity.neutral.converter import convert  # heavy: the checkpoint readers, not for --help
 
     manifest = convert(model_dir, out, dtype=dtype, rope_style=f.rope_style, force=force,
                        adapter_dirs=adapter_dirs)
@@ -291,7 +290,7 @@ def run_cmd(path, prompt, ids, top_k, dtype):
     Example:
       parity run ./gemma-2-9b.neutral --prompt "The capital of France is"
     """
-    import torch
+    import torch  # torch: loaded when a command runs, not for --help
 
     from parity.neutral.executor.model import NeutralModel
     from parity.neutral.manifest import load
@@ -315,8 +314,6 @@ def _tokenizer(path: Path):
     file = Path(path) / "tokenizer.json"
     if not file.exists():
         return None
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(file))
 
 
@@ -364,7 +361,7 @@ def check_cmd(reference, candidate, options, report_paths, junit, per_layer):
       parity check --reference ./llama --candidate llama.onnx --layerwise --map layers.0.out=/model/layers.0/Add_1_output_0
       parity check --reference ./gemma-3-1b --candidate ./gemma-3-1b.neutral --layerwise --decode 32
     """
-    from parity.checker.run import check
+    from parity.checker.run import check  # torch: loaded when a command runs, not for --help
 
     report = run_check(reference, candidate, check, Outputs(tuple(report_paths), junit, per_layer), options=options)
     sys.exit(report.exit_code)
@@ -381,10 +378,9 @@ def demo_cmd(report_path):
     float32 with calibrated tolerances; the Gemma 2 report is written as HTML. Then the Gemma 2
     candidate is run with `norm-offset-dropped` injected, to show a failing verdict and its diagnosis.
     """
-    from parity import render
-    from parity.checker.run import check
-    from parity.neutral.converter import convert
-    from parity.reference.tiny import make_tiny
+    from parity.checker.run import check  # torch: loaded when a command runs, not for --help
+    from parity.neutral.converter import convert  # heavy: the checkpoint readers, not for --help
+    from parity.reference.tiny import make_tiny  # torch: loaded when a command runs, not for --help
 
     adapters = load_all()
     console = console_for_output()
@@ -420,7 +416,7 @@ def bugs_cmd(as_json):
     fails; the input mistakes after them (an engine dump that ran its ids with a BOS doubled, ...) are named from
     the dump's ids.
     """
-    from parity.diagnosis import bugs
+    from parity.diagnosis import bugs  # torch: loaded when a command runs, not for --help
     from parity.dumps import mistakes
 
     families = bugs.families()
@@ -459,7 +455,7 @@ class CatalogEntry:
 def engines_cmd(as_json):
     """The candidate kinds: how each is taken (found by its files, or named as KIND:PATH), what it can do, its
     --engine-option keys, and whether its engine is installed here."""
-    from parity.checker.sides import kind_rows
+    from parity.checker.sides import kind_rows  # torch: loaded when a command runs, not for --help
 
     rows = kind_rows()
     if as_json:
@@ -489,7 +485,7 @@ def selftest_cmd(families, dtype, md_path):
     many a final-output np.allclose(atol=1e-5) or a next-token check would have caught.
     Exit 0 when every pair is detected, no clean conversion fails and no diagnosis is wrong.
     """
-    from parity.cli import selftest
+    from parity.cli import selftest  # torch: loaded when a command runs, not for --help
 
     console = console_for_output()
     with Console(stderr=True).status("selftest") as status:

@@ -12,8 +12,11 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.progress import Progress as Bars  # rich's; Progress below is a check's display around them
 
-from parity import signals
+from parity import render, signals
 from parity.checker.options import CheckOptions, command_line
 from parity.errors import ParityError
 
@@ -170,20 +173,10 @@ class Progress:
     """What a check is doing (a status line) and, per model, a bar of layers done with the time left."""
 
     def __init__(self):
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            SpinnerColumn,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("layers"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-                             # off a terminal a transient display leaves only a blank line before the report
-                             console=Console(stderr=True, quiet=not sys.stderr.isatty()), transient=True)
+        self.bars = Bars(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                         TextColumn("layers"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                         # off a terminal a transient display leaves only a blank line before the report
+                         console=Console(stderr=True, quiet=not sys.stderr.isatty()), transient=True)
         self.status = self.bars.add_task("checking", total=None)
         self.models: dict[str, int] = {}
 
@@ -201,8 +194,6 @@ class Progress:
 def run_check(reference, candidate, run, outputs: Outputs, **kwargs):
     """``run(reference, candidate, progress=..., on_layer=..., **kwargs)`` with a progress display, its report
     shown and written to ``outputs`` (checked writable before anything runs)."""
-    from parity import render
-
     files = [*((p, None) for p in outputs.reports), *([(outputs.junit, ".xml")] if outputs.junit else [])]
     for path, fmt in files:  # before any model is loaded: a check must not run for an hour and then fail to write
         render.check_output(path, fmt)

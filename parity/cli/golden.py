@@ -9,7 +9,10 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from parity import render
 from parity.cli.common import CONTEXT, Group, Outputs, adapters_option, console, input_options, run_check
+from parity.report import Report, merge_slices
+from parity.storage.jsonfile import read_json
 
 
 @click.group("report", cls=Group, context_settings=CONTEXT)
@@ -33,10 +36,6 @@ def report_group():
 def report_merge_cmd(files, report_paths, junit, per_layer):
     """Join the JSON reports of `check --layers` slices into one verdict; exit 0 pass, 1 fail, 2 no verdict
     (a layer no slice covers, slices that overlap or come from different checks)."""
-    from parity import render
-    from parity.report import Report, merge_slices
-    from parity.storage.jsonfile import read_json
-
     outputs = [*((p, None) for p in report_paths), *([(junit, ".xml")] if junit else [])]
     for path, fmt in outputs:
         render.check_output(path, fmt)
@@ -88,7 +87,7 @@ def golden_record_cmd(reference, out, prompts, dtype, points, calibrate, storage
     Example:
       parity golden record ./gemma-2-9b -o golden/gemma-2-9b --points layers --storage float16 --calibrate
     """
-    from parity.checker.record import record
+    from parity.checker.record import record  # torch: loaded when a command runs, not for --help
     from parity.reference.golden import size
 
     with Console(stderr=True).status("recording") as status:
@@ -115,7 +114,7 @@ def golden_verify_cmd(golden, reference, report_paths, adapter_dirs):
     Example:
       parity golden verify golden/gemma-2-9b --reference ./gemma-2-9b
     """
-    from parity.checker.run import verify_golden
+    from parity.checker.run import verify_golden  # torch: loaded when a command runs, not for --help
 
     report = run_check(golden, reference, verify_golden, Outputs(tuple(report_paths)), adapter_dirs=adapter_dirs)
     then = report.reference["recorded_with"]
@@ -147,7 +146,7 @@ def inputs_cmd(reference, out, prompts, decode, adapter_dirs):
       parity inputs golden/llama -o inputs.json
       parity inputs golden/llama --decode 32 -o inputs.json
     """
-    from parity.checker.sides import inputs_for
+    from parity.checker.sides import inputs_for  # torch: loaded when a command runs, not for --help
     from parity.dumps import write_inputs
 
     rows, tokens = inputs_for(reference, prompts, adapter_dirs=adapter_dirs, decode=decode)

@@ -18,19 +18,23 @@ from typing import Callable
 
 from parity.adapter import load_all
 from parity.checker.run import check
+from parity.checkpoint import open_checkpoint
+from parity.checkpoint.lengths import thresholds
 from parity.diagnosis import bugs
 from parity.diagnosis.diagnose import consistent
 from parity.errors import ParityError
 from parity.neutral.converter import convert
+from parity.neutral.manifest import read_manifest
 from parity.reference.tiny import make_tiny
 
 DECODE_STEPS = 32
+FITTED = 0.05  # how close a fitted value must come to the injected one (relative)
 
 
 @dataclass
 class Row:
     family: str
-    bug: str                     # "clean" for an uninjected conversion
+    bug: str                     # "clean" for an uninjected conversion; ID=VALUE: a mistake with a size at VALUE
     dtype: str
     detected: bool
     first_divergence: str | None
@@ -44,10 +48,15 @@ class Row:
     # or one the candidate did not give before the first that diverged); None: a clean run, a decode row, a mistake
     # outside the layers, or one that first showed outside them (BERT's embedding LayerNorm)
     op_right: bool | None = None
+    value: float | None = None   # the value the diagnosis fitted (a mistake with a size)
 
     @property
     def diagnosis_right(self) -> bool:
-        return self.diagnosed == self.bug
+        """The mistake named, and one injected at a value (ID=VALUE) named with its value within FITTED."""
+        bug_id, _, given = self.bug.partition("=")
+        if self.diagnosed != bug_id:
+            return False
+        return not given or (self.value is not None and abs(self.value / float(given) - 1) <= FITTED)
 
     def to_json(self) -> dict:
         return {**asdict(self), "diagnosis_right": self.diagnosis_right}
@@ -73,15 +82,18 @@ def run(families: list[str] | None = None, dtype: str | None = None,
                     Path(tmp) / f"{family}-{width}.neutral"
             return built[family, width]
 
+        sized: set[str] = set()  # the mistakes with a size already injected at their trial values
         for family in chosen:
             src, neutral = tiny(family, None)
-            from parity.neutral.manifest import read_manifest
-
             manifest = read_manifest(neutral)
-            applicable = bugs.applicable_at_width(
-                lambda width: manifest if width is None else read_manifest(tiny(family, width)[1]))
+            at_width = lambda width: manifest if width is None else read_manifest(tiny(family, width)[1])  # noqa: E731
+            applicable = bugs.applicable_at_width(at_width)
             cases = [(None, dtype or "float32", None, False)] + [
                 (b.id, dtype or b.dtype, b.width, False) for b in applicable if not b.decode]
+            # each mistake with a size at two values besides the catalog's, on the first family it applies to
+            cases += [(f"{b.id}={value:g}", dtype or b.dtype, b.width, False) for b in applicable
+                      if b.size is not None and b.id not in sized for value in bugs.trials(b, at_width(b.width))]
+            sized |= {b.id for b in applicable if b.size is not None}
             short = {b.id: _first_threshold(src) for b in applicable if b.short}
             if bugs.decodes(manifest):
                 cases += [(None, dtype or "float32", None, True)] + [
@@ -107,6 +119,7 @@ def run(families: list[str] | None = None, dtype: str | None = None,
                     prefill_caught=not prefill if decoding else None,
                     first_op=(report.drilldown or {}).get("first") if not decoding else None,
                     op_right=_op_right(bug_id, report.drilldown) if not decoding else None,
+                    value=report.diagnosis[0].get("value") if report.diagnosis else None,
                 ))
     return rows
 
@@ -114,14 +127,11 @@ def run(families: list[str] | None = None, dtype: str | None = None,
 def _first_threshold(src: Path) -> int:
     """The first length at which the model's arithmetic changes (a window, a RoPE scaling's threshold): a prompt
     that long has crossed none."""
-    from parity.checkpoint import open_checkpoint
-    from parity.checkpoint.lengths import thresholds
-
     return min(thresholds(open_checkpoint(src)).values())
 
 
 def _op_right(bug_id: str | None, drilldown: dict | None) -> bool | None:
-    bug = None if bug_id is None else bugs.get(bug_id)
+    bug = None if bug_id is None else bugs.parse(bug_id)[0]
     if bug is None or bug.op is None or drilldown is None:  # nothing drilled: it first showed outside the layers
         return None
     return drilldown.get("first") is not None and any(
@@ -158,7 +168,7 @@ def totals(rows: list[Row]) -> Totals:
         diagnosed_right=sum(r.diagnosis_right for r in injected),
         diagnosis_accuracy=sum(r.diagnosis_right for r in injected) / len(injected) if injected else 1.0,
         diagnosed_unknown=sum(r.diagnosed == "unknown" for r in injected),
-        diagnosed_wrong=sum(r.diagnosed not in (r.bug, "unknown") for r in injected),
+        diagnosed_wrong=sum(not r.diagnosis_right and r.diagnosed != "unknown" for r in injected),
         clean_conversions=len(clean),
         false_alarms=sum(r.detected for r in clean),
         allclose_would_catch=sum(r.allclose_caught for r in injected),
@@ -194,7 +204,9 @@ def markdown(rows: list[Row]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     mark = {True: "yes", False: "no"}
     for r in rows:
-        diag = "-" if r.diagnosed is None else (r.diagnosed + ("" if r.diagnosis_right or r.bug == "clean" else " ✗"))
+        fitted = "" if r.value is None else f" = {r.value:g}"
+        diag = "-" if r.diagnosed is None else (r.diagnosed + fitted + ("" if r.diagnosis_right or r.bug == "clean"
+                                                                        else " ✗"))
         prefill = "-" if r.prefill_caught is None else "caught" if r.prefill_caught else "passed"
         op = (r.first_op or "-") + (" ✗" if r.op_right is False else "")
         lines.append(f"| {r.family} | {r.bug} | {r.dtype} | {r.check} | {mark[r.detected]} | "

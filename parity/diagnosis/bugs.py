@@ -10,12 +10,14 @@ display.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from parity import rope as rope_math
+from parity.adapter import load_all
 from parity.errors import ParityError
 from parity.neutral.model import (Attention, BlockNorms, CachePolicy, Embedding, Glu, Head, Layer, Manifest, Mla, Moe,
                                   Norm, Part, Rope)
@@ -32,6 +34,22 @@ ADDED_SLIDING_WINDOW = 8
 # where a mistake in every norm first shows: the attention's input norm, or, in a family without one (OLMo 2's
 # norms follow the sublayers), the query's full-width norm
 NORM_FIRST = ("attn.q_norm",)
+
+
+@dataclass(frozen=True)
+class Size:
+    """A mistake with a size: the value the port used (a softcap of 3 where the model has none, a RoPE base of
+    5e5 for 1e6). A diagnosis fits the value that reproduces the candidate (a 1-D search over ``low`` to ``high``
+    times ``around``, in log scale) and says it; the selftest injects ``trials`` (factors of ``around``) besides
+    the catalog's own value; ``--inject ID=VALUE`` runs any."""
+
+    put: Callable[[Manifest, float], None]   # the model computed with the port's value
+    around: Callable[[Manifest], float]      # the value the search and the trials are scaled by
+    says: str                                # the value as the diagnosis words it: "a final softcap of {value}"
+    has: Callable[[Manifest], str]           # what the model has there: "none", "30"
+    low: float = 0.01
+    high: float = 100.0
+    trials: tuple[float, float] = (0.5, 2.0)
 
 
 @dataclass(frozen=True)
@@ -54,6 +72,7 @@ class Bug:
     # sizes the mistake from the position where a candidate's error starts (a window added: its width), where a
     # diagnosis knows it; the selftest injects the catalog's size
     sized: Callable[[Manifest, int], None] | None = None
+    size: Size | None = None     # a mistake with a value, fitted by a diagnosis (Size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,6 +125,21 @@ def _head(m: Manifest) -> list[Head]:
 
 def _embedding(m: Manifest) -> list[Embedding]:
     return [m.embedding]
+
+
+def _put(parts: Callable[[Manifest], Iterable[Part]], field: str) -> Callable[[Manifest, float], None]:
+    """A size's ``put``: every part ``parts(m)`` holds the port's value in ``field``."""
+    return lambda m, value: _each(parts, **{field: value})(m, {})
+
+
+def _value(x: float | None) -> str:
+    """A value as a diagnosis says it: "none" where the model has none."""
+    return "none" if not x else f"{x:.3g}"
+
+
+def _first(parts: Callable[[Manifest], Iterable[Part]], field: str) -> Callable[[Manifest], float | None]:
+    """The model's own value of ``field``: the first part of ``parts(m)`` that sets one."""
+    return lambda m: next((getattr(p, field) for p in parts(m) if getattr(p, field)), None)
 
 
 def _scale_weight(t: Tensors, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -280,6 +314,28 @@ def _partial(m: Manifest) -> list[Rope]:
     return [r for r in m.ropes() if r.rotary_dim < r.head_dim and _scaling_type(r) != "longrope"]
 
 
+def _capped(m: Manifest) -> list[Attention]:
+    """The attentions whose logits the model caps."""
+    return [att for att in _attention(m) if att.softcap]
+
+
+FACTORED = ("linear", "llama3", "yarn")  # the RoPE scalings whose factor changes a short prompt's rotation
+
+
+def _factored(m: Manifest) -> list[Rope]:
+    """The layers' RoPE scaled by a factor that shows from the first positions on."""
+    return [r for r in m.ropes() if _scaling_type(r) in FACTORED and r.scaling.get("factor")]
+
+
+def _factor(rope: Rope) -> float:
+    return rope.scaling.get("factor")
+
+
+def _routed_scaled(m: Manifest) -> list[Moe]:
+    """The MoE blocks whose routed experts' sum is multiplied by a scale other than 1 (routed_scaling_factor)."""
+    return [moe for moe in m.moes() if moe.scale not in (None, 1.0)]
+
+
 def _causal(m: Manifest) -> list[Attention]:
     return [att for att in _attention(m) if att.causal]
 
@@ -436,7 +492,10 @@ CATALOG: list[Bug] = [
         "the norms computed with a different eps", "subtle",
         "ggml-org/llama.cpp #2373, PR #2374; apache/tvm #15856; mlc-ai/mlc-llm #923; intel/ipex-llm #9529",
         lambda m: bool(_norms(m)), _each(_norms, eps=lambda n: 1e-6 if n.eps != 1e-6 else 1e-5), op="attn_in",
-        also=NORM_FIRST),
+        also=NORM_FIRST,
+        # an eps far below the activations' mean square changes nothing a check sees: the trials are above it
+        size=Size(_put(_norms, "eps"), lambda m: _first(_norms, "eps")(m) or 1e-6, "norms with an eps of {value}",
+                  lambda m: _value(_first(_norms, "eps")(m)), low=1e-4, high=1e4, trials=(300.0, 3000.0))),
     Bug("norm-in-low-precision", "norm computed in bf16/fp16 instead of float32",
         "the norms computed in the model's low precision", "low precision only",
         "huggingface/transformers PR #29402; meta-llama/llama #1048; pytorch/pytorch #133085",
@@ -476,15 +535,28 @@ CATALOG: list[Bug] = [
         "vllm-project/vllm PR #5908, #6051, #7022; huggingface/transformers #31887, #32877; "
         "EricLBuehler/candle-vllm #84",
         lambda m: _has(m, lambda a: bool(a.softcap)), _each(_attention, softcap=None), op="attn.scores"),
+    Bug("attn-softcap-wrong", "an attention logit softcap of another value than the config's (e.g. Gemma 2's 50 "
+        "kept for a family that caps at another)", "attention scores capped at another value", "subtle",
+        "no public instance found",
+        lambda m: bool(_capped(m)), _each(_capped, softcap=lambda a: a.softcap * 0.2), op="attn.scores",
+        size=Size(_put(_capped, "softcap"), _first(_capped, "softcap"), "an attention logit softcap of {value}",
+                  lambda m: _value(_first(_capped, "softcap")(m)), trials=(0.1, 0.3))),
     Bug("final-softcap-dropped", "final logit softcap skipped", "logits without their final softcap", "subtle",
         "ggml-org/llama.cpp PR #8197, PR #8156; ollama/ollama #5341",
         lambda m: m.head is not None and bool(m.head.softcap), _each(_head, softcap=None)),
+    Bug("final-softcap-wrong", "a final logit softcap of another value than the config's",
+        "logits capped at another value", "subtle", "no public instance found",
+        lambda m: m.head is not None and bool(m.head.softcap), _each(_head, softcap=lambda h: h.softcap * 0.1),
+        size=Size(_put(_head, "softcap"), lambda m: m.head.softcap, "a final logit softcap of {value}",
+                  lambda m: _value(m.head.softcap), trials=(0.05, 0.2))),
     Bug("attn-scale-wrong", "1/sqrt(head_dim) used where `query_pre_attn_scalar` rules, or the reverse",
         "attention scaled by 1/sqrt(head_dim)", "subtle",
         "ggml-org/llama.cpp PR #8197, #8444, #13951; google/gemma_pytorch #71",
         # MLA's scale under YaRN carries mscale ** 2 by design: that factor dropped is mla-softmax-mscale-dropped
         lambda m: _has(m, lambda a: abs(a.scale / _mla_mscale(a) - _plain_scale(a)) > 1e-9 * a.scale),
-        _each(_attention, scale=_plain_scale), op="attn.scores"),
+        _each(_attention, scale=_plain_scale), op="attn.scores",
+        size=Size(_put(_attention, "scale"), _first(_attention, "scale"), "attention scores scaled by {value}",
+                  lambda m: _value(_first(_attention, "scale")(m)))),
     Bug("mla-softmax-mscale-dropped", "MLA's softmax scale without the YaRN mscale ** 2 (0.1 * mscale_all_dim * "
         "ln(factor) + 1, squared) that DeepSeek multiplies into it", "MLA's softmax scale without YaRN's mscale ** 2",
         "subtle", "onnxruntime/mobius PR #548; huggingface/transformers PR #47435",
@@ -493,16 +565,22 @@ CATALOG: list[Bug] = [
     Bug("attn-softcap-added", f"an attention logit softcap ({ADDED_ATTN_SOFTCAP:g}, Gemma 2's) where the family has "
         "none", "attention scores capped where the model caps none", "subtle", "no public instance found",
         lambda m: bool(m.layers) and not _has(m, lambda a: bool(a.softcap)),
-        _each(_attention, softcap=ADDED_ATTN_SOFTCAP), op="attn.scores"),
+        _each(_attention, softcap=ADDED_ATTN_SOFTCAP), op="attn.scores",
+        size=Size(_put(_attention, "softcap"), lambda m: ADDED_ATTN_SOFTCAP, "an attention logit softcap of {value}",
+                  lambda m: "none", trials=(0.1, 0.3))),
     Bug("final-softcap-added", f"a final logit softcap ({ADDED_FINAL_SOFTCAP:g}) where the family has none",
         "logits capped where the model caps none", "subtle", "ollama/ollama PR #9692",
         # where the logits are scaled down (Cohere's 0.0625, Granite's 1/8) a tiny model's logits sit far below the
         # cap, which then changes nothing a check can tell from float32 noise: not catalogued there
         lambda m: m.head is not None and not m.head.softcap and m.head.scale >= 1.0,
-        _each(_head, softcap=ADDED_FINAL_SOFTCAP)),
+        _each(_head, softcap=ADDED_FINAL_SOFTCAP),
+        size=Size(_put(_head, "softcap"), lambda m: ADDED_FINAL_SOFTCAP, "a final logit softcap of {value}",
+                  lambda m: "none", trials=(0.1, 0.3))),
     Bug("embed-scale-added", "embeddings multiplied by sqrt(hidden) where the family does not scale them",
         "embeddings scaled where the model scales none", "garbage at once", "no public instance found",
-        lambda m: m.embedding.scale == 1.0 and m.embedding.positions == "rope", _embed_scale_added),
+        lambda m: m.embedding.scale == 1.0 and m.embedding.positions == "rope", _embed_scale_added,
+        size=Size(_put(_embedding, "scale"), lambda m: float(m.hidden_size) ** 0.5, "embeddings multiplied by {value}",
+                  lambda m: "1")),
     Bug("embed-scale-rounded", "the embedding scale rounded to bfloat16 in a float32 run (sqrt(hidden) as bf16)",
         "an embedding scale rounded to bfloat16", "subtle", "no public instance found",
         lambda m: m.embedding.scale != 1.0 and _bf16_inexact(m.embedding.scale),
@@ -511,6 +589,11 @@ CATALOG: list[Bug] = [
         "embeddings without their scale", "garbage at once",
         "vllm-project/vllm PR #48010",
         lambda m: m.embedding.scale != 1.0, _each(_embedding, scale=1.0)),
+    Bug("embed-scale-wrong", "embeddings multiplied by another scale than the model's (sqrt of another width, a "
+        "multiplier misread)", "embeddings scaled by another value", "garbage at once", "no public instance found",
+        lambda m: m.embedding.scale != 1.0, _each(_embedding, scale=lambda e: e.scale * 2.0),
+        size=Size(_put(_embedding, "scale"), lambda m: m.embedding.scale, "embeddings multiplied by {value}",
+                  lambda m: _value(m.embedding.scale), trials=(0.3, 3.0))),
     Bug("gelu-variant-swapped", "exact GELU where tanh GELU is meant, or the reverse",
         "the MLP with the other GELU variant", "subtle",
         "huggingface/transformers PR #29402; vllm-project/vllm #3337; ml-explore/mlx-examples #579",
@@ -523,18 +606,27 @@ CATALOG: list[Bug] = [
         "ggml-org/llama.cpp #2376, PR #3364; ml-explore/mlx-examples #170; karpathy/llama2.c #286",
         lambda m: bool(m.ropes()),
         _each(Manifest.ropes, style=lambda r: "interleaved" if r.style == "half" else "half"), op="attn.q_rope",
-        # a side that restores permuted q/k rows to the checkpoint's order (llama.cpp: parity/ports/gguf/ops.py) shows
+        # a side that restores permuted q/k rows to the checkpoint's order (as llama.cpp's reader does) shows
         # rows written in the other layout at the projection already
         also=("attn.q",)),
     Bug("rope-theta-wrong", "RoPE base not taken from the config (e.g. 10000)",
         "RoPE with a different base", "degrades on long prompts",
         "ggml-org/llama.cpp PR #2768, #2773; vllm-project/vllm PR #29111; stanford-crfm/levanter #649",
         lambda m: bool(m.ropes()), _each(Manifest.ropes, theta=lambda r: 10000.0 if r.theta != 10000.0 else 1000000.0),
-        op="attn.q_rope"),
+        op="attn.q_rope",
+        size=Size(_put(Manifest.ropes, "theta"), _first(Manifest.ropes, "theta"), "a RoPE base of {value}",
+                  lambda m: _value(_first(Manifest.ropes, "theta")(m)), low=1e-3, high=1e3, trials=(0.3, 3.0))),
     Bug("rope-scaling-dropped", "the config's RoPE scaling (linear, llama3, yarn, longrope, dynamic) not applied: "
         "the plain frequencies", "RoPE without its scaling", "degrades on long prompts",
         "lablup/mlxcel #1355, #1340; Blaizzy/mlx-vlm PR #1709",
         lambda m: bool(_scaled(m)), _each(_scaled, scaling=None), op="attn.q_rope"),
+    Bug("rope-scaling-factor-wrong", "the RoPE scaling's factor (linear, llama3, yarn) of another value than the "
+        "config's", "RoPE scaled by another factor", "degrades on long prompts", "no public instance found",
+        lambda m: bool(_factored(m)), _rescaled(_factored, factor=lambda r: _factor(r) * 2.0),
+        op="attn.q_rope",
+        size=Size(lambda m, value: _rescaled(_factored, factor=value)(m, {}),
+                  lambda m: _factor(_factored(m)[0]), "a RoPE scaling factor of {value}",
+                  lambda m: _value(_factor(_factored(m)[0])), trials=(0.3, 3.0))),
     Bug("rope-scaling-wrong-layers", "the RoPE scaling applied on the layer types that go without it, and not on "
         "those that have it (Gemma 3: the global layers)", "RoPE scaled on the other layer type",
         "degrades on long prompts", "ollama/ollama PR #13452",
@@ -566,7 +658,10 @@ CATALOG: list[Bug] = [
         "it (attention_factor, or mscale / mscale_all_dim)", "YaRN with the default attention factor instead of "
         "the config's", "subtle", "sgl-project/sglang PR #22711; vllm-project/vllm PR #46280",
         lambda m: any(_yarn_attention(r) != _yarn_attention(r, plain=True) for r in _yarns(m)),
-        _rescaled(_yarns, attention_factor=lambda r: _yarn_attention(r, plain=True)), op="attn.q_rope"),
+        _rescaled(_yarns, attention_factor=lambda r: _yarn_attention(r, plain=True)), op="attn.q_rope",
+        size=Size(lambda m, value: _rescaled(_yarns, attention_factor=value)(m, {}),
+                  lambda m: _yarn_attention(_yarns(m)[0]), "a YaRN attention factor of {value}",
+                  lambda m: _value(_yarn_attention(_yarns(m)[0])), low=0.1, high=10.0, trials=(0.8, 1.25))),
     Bug("longrope-long-factors-early", "LongRoPE's long factors applied to a sequence within "
         "original_max_position_embeddings (the set picked by the context allocated, not the sequence's length)",
         "LongRoPE rotating a short sequence with its long factors", "subtle",
@@ -617,9 +712,21 @@ CATALOG: list[Bug] = [
     Bug("logit-scale-dropped", "logits not multiplied by the logit scale (Cohere's logit_scale, Granite's "
         "1 / logits_scaling)", "logits without their scale", "subtle", "no public instance found",
         lambda m: m.head is not None and m.head.scale != 1.0, _each(_head, scale=1.0)),
+    Bug("logit-scale-wrong", "logits multiplied by another scale than the config's (logits_scaling multiplied where "
+        "Granite divides)", "logits scaled by another value", "subtle", "no public instance found",
+        lambda m: m.head is not None and m.head.scale != 1.0, _each(_head, scale=lambda h: 1.0 / h.scale),
+        size=Size(_put(_head, "scale"), lambda m: m.head.scale, "logits multiplied by {value}",
+                  lambda m: _value(m.head.scale), trials=(0.3, 3.0))),
     Bug("residual-scale-dropped", "sublayer outputs added to the residual stream without the residual multiplier",
         "a residual stream without its multiplier", "garbage at once", "no public instance found",
         lambda m: any(layer.residual_scale != 1.0 for layer in m.layers), _each(_layers, residual_scale=1.0), op="mid"),
+    Bug("residual-scale-wrong", "sublayer outputs multiplied by another residual multiplier than the config's",
+        "a residual stream with another multiplier", "garbage at once", "no public instance found",
+        lambda m: any(layer.residual_scale != 1.0 for layer in m.layers),
+        _each(_layers, residual_scale=lambda layer: layer.residual_scale * 2.0), op="mid",
+        size=Size(_put(_layers, "residual_scale"), lambda m: m.layers[0].residual_scale,
+                  "sublayer outputs multiplied by {value}", lambda m: _value(m.layers[0].residual_scale),
+                  trials=(0.3, 3.0))),
     Bug("attention-sinks-dropped", "attention softmax without the learned per-head sink logit",
         "attention without its sinks (the weights over the keys summing to 1)", "garbage at once",
         "no public instance found",
@@ -663,6 +770,19 @@ CATALOG: list[Bug] = [
         "their sum (norm_topk_prob true)", "the MoE block without its top-k renormalisation", "subtle",
         "pytorch/torchtitan #1448",
         lambda m: bool(_renormalisable(m, True)), _renormalisation_flipped, op="mlp_out"),
+    Bug("moe-routed-scale-dropped", "the routed experts' sum not multiplied by routed_scaling_factor",
+        "the MoE block without its routed scale", "garbage at once",
+        "sgl-project/sglang PR #8511, PR #31449; flashinfer-ai/flashinfer PR #3499",
+        lambda m: bool(_routed_scaled(m)), _each(_routed_scaled, scale=None), op="mlp_out"),
+    Bug("moe-routed-scale-twice", "routed_scaling_factor applied twice (in the routing weights and again on the "
+        "experts' sum)", "the MoE block with its routed scale squared", "garbage at once",
+        "vllm-project/vllm PR #45037; kvcache-ai/sglang PR #86",
+        lambda m: bool(_routed_scaled(m)), _each(_routed_scaled, scale=lambda moe: moe.scale ** 2), op="mlp_out"),
+    Bug("moe-routed-scale-wrong", "the routed experts' sum multiplied by another value than routed_scaling_factor",
+        "the MoE block with another routed scale", "garbage at once", "no public instance found",
+        lambda m: bool(_routed_scaled(m)), _each(_routed_scaled, scale=lambda moe: moe.scale * 0.5), op="mlp_out",
+        size=Size(_put(_routed_scaled, "scale"), lambda m: _routed_scaled(m)[0].scale, "a routed scale of {value}",
+                  lambda m: _value(_routed_scaled(m)[0].scale), trials=(0.3, 3.0))),
     # KV-cache mistakes: the prefill is right, decode steps are not
     Bug("decode-position-offset", "decode steps placed one position late (the new token counted twice)",
         "decode steps at positions shifted by one", "decode only", "no public instance found",
@@ -702,6 +822,29 @@ def get(bug_id: str) -> Bug:
     return BY_ID[bug_id]
 
 
+def parse(spec: str) -> tuple[Bug, float | None]:
+    """``ID``, or ``ID=VALUE``: a mistake with a size (Bug.size) made at the port's value."""
+    bug_id, given, text = spec.partition("=")
+    bug = get(bug_id.strip())
+    if not given:
+        return bug, None
+    if bug.size is None:
+        sized = ", ".join(b.id for b in CATALOG if b.size)
+        raise ParityError(f"bug {bug.id} has no value to set ({spec!r}); these have one: {sized}")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ParityError(f"{spec!r}: the value must be a positive number (e.g. {bug.id}=3.0)")
+    return bug, value
+
+
+def trials(bug: Bug, manifest: Manifest) -> list[float]:
+    """The values the selftest injects a sized mistake at, besides the catalog's."""
+    return [] if bug.size is None else [float(f"{bug.size.around(manifest) * f:.4g}") for f in bug.size.trials]
+
+
 def applicable(manifest: Manifest) -> list[Bug]:
     return [b for b in CATALOG if b.applies(manifest)]
 
@@ -720,26 +863,30 @@ def applicable_at_width(manifest_at: Callable[[int | None], Manifest]) -> list[B
     return out
 
 
-def inject(bug_id: str, manifest: Manifest, tensors: Tensors, families: dict[str, list[str]] | None = None,
-           start: int | None = None) -> tuple[Manifest, Tensors]:
-    """A copy of (manifest, tensors) with the mistake applied; exit 2 if it does not apply. ``start``: the position
-    where the candidate's error starts, which sizes a mistake that has a size (Bug.sized)."""
-    bug = get(bug_id)
+def inject(spec: str, manifest: Manifest, tensors: Tensors, families: dict[str, list[str]] | None = None,
+           start: int | None = None, value: float | None = None) -> tuple[Manifest, Tensors]:
+    """A copy of (manifest, tensors) with the mistake ``spec`` (``ID`` or ``ID=VALUE``, parse) applied; exit 2 if it
+    does not apply. ``start``: the position where the candidate's error starts, which sizes a mistake sized by it
+    (Bug.sized); ``value``: the port's value of a mistake with a size (Bug.size), as ``=VALUE`` gives it."""
+    bug, given = parse(spec)
+    value = given if value is None else value
     if not bug.applies(manifest):
-        where = f" it applies to {', '.join(families[bug_id])}" if families else ""
-        raise ParityError(f"bug {bug_id} does not apply to this {manifest.source.family} model;{where}")
+        where = f" it applies to {', '.join(families[bug.id])}" if families else ""
+        raise ParityError(f"bug {bug.id} does not apply to this {manifest.source.family} model;{where}")
     m, t = manifest.model_copy(deep=True), dict(tensors)
-    bug.inject(m, t)
-    if start and bug.sized:
-        bug.sized(m, start)
-    m.injected = bug_id
+    if value is not None:
+        bug.size.put(m, value)
+    else:
+        bug.inject(m, t)
+        if start and bug.sized:
+            bug.sized(m, start)
+    m.injected = bug.id if value is None else f"{bug.id}={value:g}"
     return m, t
 
 
 def families() -> dict[str, list[str]]:
     """Bug id -> the families (by their tiny checkpoints' manifests) it applies to."""
-    from parity.adapter import load_all
-    from parity.reference.tiny import tiny_manifest
+    from parity.reference.tiny import tiny_manifest  # heavy: transformers (parity.reference.tiny imports it)
 
     out: dict[str, list[str]] = {b.id: [] for b in CATALOG}
     for family, adapter in load_all().items():

@@ -10,8 +10,10 @@ and lists the closest, never a confident wrong name.
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -29,6 +31,15 @@ EXPLAINS = 0.05
 # ... and is listed as the closest of an unknown diagnosis only when its residual is below this share: one that
 # leaves the error as it was explains none of it (a quantized file's error is no catalogued mistake's)
 CLOSEST = 0.5
+# A mistake with a size is fitted by a 1-D search: values STEP apart (a factor of sqrt(10)) over its range, then
+# REFINE golden-section steps between the best one's neighbours (to about 0.3%): the true value may lie a step
+# from the model's own, where the grid sees only the reference's residual
+STEP, REFINE = math.log(10) / 2, 14
+# no size is fitted where a fixed hypothesis already reproduces the candidate this closely (a share of EXPLAINS)
+EXACT = 0.1
+# a fitted hypothesis has one free value more than a fixed one, which fits noise too: where both reproduce the
+# candidate, it is named first only if its residual is below the fixed one's by this factor
+OCCAM = 1.5
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,25 +124,82 @@ def diagnose(reference_dir: Path, point: str, tolerance: float, candidate: dict[
     baseline = _rel(candidate[point], reference[point])
     where = point.replace("layers.", "layer ").replace(".", " ")
     start = error_start(candidate[point], reference[point], tolerance)
+
+    def residual_of(m: Manifest, t: dict) -> float | None:
+        got = run(m, t)
+        if point not in got:
+            return None
+        return max([_rel(candidate[point], got[point])] + ([_rel(candidate[final], got[final])]
+                                                          if final in got and final in wanted else []))
+
     scored = []
-    for bug in bugs.applicable(manifest):
+    clean = None  # the residual of the reference itself, as the executor runs it: a size that keeps it is not here
+    # the fixed hypotheses first: where one reproduces the candidate outright, no size needs fitting
+    for bug in sorted(bugs.applicable(manifest), key=lambda b: b.size is not None):
         if bug.decode:  # a cache mistake changes no prefill
             continue
         try:
             m, t = bugs.inject(bug.id, manifest, tensors, start=start)
         except KeyError:  # a mistake in tensors this layer does not read (the head, the embedding): not here
             continue
-        got = run(m, t)
-        if point not in got:
+        if not any(consistent(op, drilldown) for op in (bug.op, *bug.also)):
             continue
-        residual = max([_rel(candidate[point], got[point])] + ([_rel(candidate[final], got[final])]
-                                                               if final in got and final in wanted else []))
-        if any(consistent(op, drilldown) for op in (bug.op, *bug.also)):
-            scored.append((residual, bug))
+        residual = residual_of(m, t)
+        if residual is None:
+            continue
+        value = says = None
+        if bug.size is not None and clean is None:
+            clean = residual_of(manifest, tensors)
+        if bug.size is not None and (clean is None or abs(residual - clean) > 1e-6 * clean) \
+                and not any(r < EXACT * EXPLAINS * baseline for r, *_ in [*scored, (residual,)]):
+            fitted = fit(bug, manifest, tensors, residual_of, baseline, start)
+            if fitted is not None and fitted[0] <= residual:
+                residual, value = fitted
+        if value is not None:
+            says = f"{bug.size.says.format(value=f'{value:.3g}')} where the model has {bug.size.has(manifest)}"
+        scored.append((residual, bug, value, says))
     evidence_tail = position_evidence(start, candidate[point].shape[1])
     if drilldown is not None and drilldown.get("first"):
         evidence_tail += f"; drilled down: {drilldown['summary']}"
     return _named(scored, baseline, where, evidence_tail)
+
+
+def fit(bug: bugs.Bug, manifest: Manifest, tensors: dict, residual_of: Callable[[Manifest, dict], float | None],
+        beat: float, start: int | None) -> tuple[float, float] | None:
+    """The value of a mistake with a size that best reproduces the candidate, and its residual: the best of
+    log-spaced values STEP apart over the size's range, refined by golden section between its neighbours. A best
+    value at an end of the range (the mistake is another, or beyond what the size can say), or none that beats
+    ``beat`` (the reference's residual): None."""
+    size = bug.size
+    centre = size.around(manifest)
+    low, high = math.log(centre * size.low), math.log(centre * size.high)
+
+    def at(x: float) -> float:
+        m, t = bugs.inject(bug.id, manifest, tensors, start=start, value=math.exp(x))
+        r = residual_of(m, t)
+        return math.inf if r is None or math.isnan(r) else r
+
+    count = max(3, round((high - low) / STEP) + 1)
+    xs = [low + (high - low) * k / (count - 1) for k in range(count)]
+    rs = [at(x) for x in xs]
+    k = min(range(count), key=rs.__getitem__)
+    if k in (0, count - 1):
+        return None
+    a, b = xs[k - 1], xs[k + 1]
+    ratio = (math.sqrt(5) - 1) / 2
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    rc, rd = at(c), at(d)
+    for _ in range(REFINE):
+        if rc <= rd:
+            b, d, rd = d, c, rc
+            c = b - ratio * (b - a)
+            rc = at(c)
+        else:
+            a, c, rc = c, d, rd
+            d = a + ratio * (b - a)
+            rd = at(d)
+    best, x = min((rs[k], xs[k]), (rc, c), (rd, d))
+    return (best, float(f"{math.exp(x):.4g}")) if best < beat else None
 
 
 def consistent(bug_op: str | None, drilldown: dict | None) -> bool:
@@ -153,30 +221,35 @@ def _before(a: str, b: str) -> bool:
 
 
 def _named(scored: list, baseline: float, where: str, evidence_tail: str) -> list[dict]:
-    """The diagnosis from each hypothesis' residual: the ones that reproduce the candidate, or ``unknown``."""
-    scored.sort(key=lambda x: x[0])
-    if scored and scored[0][0] < EXPLAINS * baseline:
-        best = scored[0][0]
+    """The diagnosis from each hypothesis' (residual, bug, fitted value, what it says of the value), value and
+    words None where the mistake has no size: the ones that reproduce the candidate, or ``unknown``."""
+    scored.sort(key=lambda x: x[0] * (OCCAM if x[2] is not None else 1.0))
+    best = min((r for r, *_ in scored), default=math.inf)
+    if best < EXPLAINS * baseline:
         out = []
-        for residual, bug in scored:
+        explaining = sum(r < EXPLAINS * baseline for r, *_ in scored)
+        for residual, bug, value, says in scored:
             if residual >= EXPLAINS * baseline or residual > 10 * best + 1e-12 * baseline:
-                break
-            confidence = max(0.0, 1.0 - residual / baseline) / (1 + sum(r < EXPLAINS * baseline for r, _ in scored[1:]))
-            out.append({"bug": bug.id, "confidence": round(confidence, 4), "residual": residual,
-                        "evidence": f"{where}: the candidate matches {bug.explains} ({bug.id}), residual "
-                                    f"{residual:.1e} vs {baseline:.2g}{evidence_tail}."})
+                continue
+            confidence = max(0.0, 1.0 - residual / baseline) / explaining
+            sized = "" if says is None else f": {says}"
+            entry = {"bug": bug.id, "confidence": round(confidence, 4), "residual": residual,
+                     "evidence": f"{where}: the candidate matches {bug.explains} ({bug.id}{sized}), residual "
+                                 f"{residual:.1e} vs {baseline:.2g}{evidence_tail}."}
+            if value is not None:
+                entry["value"] = value
+            out.append(entry)
         return out
-    closest = ", ".join(f"{bug.id} (residual {r:.2g})" for r, bug in scored[:3] if r < CLOSEST * baseline)
+    closest = ", ".join(f"{bug.id} (residual {r:.2g})" for r, bug, *_ in scored[:3] if r < CLOSEST * baseline)
     if closest:
         said = f"closest: {closest}"
     elif scored:
-        best = scored[0][0]
         said = ("none of those that apply explains any real share of it ("
                 + (f"the best leaves a residual of {best:.2g})" if best <= baseline else
                    "each is further from the candidate than the reference is)"))
     else:
         said = "none applies here"
-    return [{"bug": "unknown", "confidence": 0.0, "residual": scored[0][0] if scored else None,
+    return [{"bug": "unknown", "confidence": 0.0, "residual": best if scored else None,
              "evidence": f"{where}: no catalogued mistake reproduces the candidate (its error {baseline:.2g}); "
                          f"{said}{evidence_tail}."}]
 
@@ -216,7 +289,7 @@ def diagnose_decode(reference_dir: Path, kept: dict, ids: torch.Tensor, tokens: 
         residual = _rel(candidate, got[point])
         if logits is not None and "logits" in got and point != "logits":
             residual = max(residual, _rel(logits[0], got["logits"]))
-        scored.append((residual, bug))
+        scored.append((residual, bug, None, None))
     where = f"decode step {step} (position {ids.shape[1] + step - 1}), " + point.replace("layers.", "layer ") \
         .replace(".", " ")
     first = "the first decode step" if step == 1 else f"step {step}; the steps before it agree"

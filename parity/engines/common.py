@@ -1,6 +1,6 @@
 """What the engine kinds share (those taken as KIND:PATH, converting a checkpoint their own way): importing an
 engine's Python package with one line that names the extra to install, and the cache of directories an engine's own
-converter wrote from a Hugging Face checkpoint."""
+converter wrote from a Hugging Face checkpoint; and the emitting of the points a decoder captured, step by step."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from parity import names
 from parity.errors import ParityError
 
 
@@ -64,3 +65,11 @@ def converted(engine: str, source: Path, settings: dict, version: str, convert: 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def emit_steps(steps: list[dict], emit) -> None:
+    """A decoder's captured steps ({point: tensor [1, 1, width]} each, the first token's first), emitted as
+    ``emit(step, point, tensor)`` from step 1, each step's points in their order."""
+    for step, captured in enumerate(steps, 1):
+        for name in sorted(captured, key=names.point_order):
+            emit(step, name, captured[name])

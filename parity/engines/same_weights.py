@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from parity.errors import ParityError
 
@@ -32,8 +33,6 @@ def write_reference(ckpt, out: Path, tensors: dict[str, torch.Tensor], arithmeti
     """The reference directory: the tensors, the arithmetic (None: the engine computes in float32, as transformers
     does, and nothing is saved), the checkpoint's config (untied where the file stores the output matrix apart from
     the embeddings, e.g. quantized otherwise) and tokenizer."""
-    from safetensors.torch import save_file
-
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if arithmetic is not None:
         arithmetic.save(out)

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO, Callable, Container, Iterator
 
 from parity import __version__, names
 from parity.adapter import ResolvedTensor
-from parity.adapter.declared import Source, fill
+from parity.neutral.declared import Source, fill
 from parity.checkpoint import Checkpoint, open_checkpoint, stored_tensor_map
 from parity.errors import ParityError
 from parity.neutral.model import DTYPE_NAMES, FORMAT, MANIFEST, File, Layer, Manifest, SourceInfo, Tensor
@@ -45,7 +45,7 @@ class _Torch:
     (importing torch, and tearing it down at exit, took longer than hashing a 5 GB checkpoint)."""
 
     def __getattr__(self, name: str) -> Any:
-        import torch
+        import torch  # torch: this module must not load it
 
         return getattr(torch, name)  # not kept: what a test patches in torch is seen here too
 
@@ -141,7 +141,7 @@ def neutral_tensors(ckpt: Checkpoint, manifest: Manifest, keep: Callable[[str], 
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """The neutral tensors ``keep`` selects, one at a time, converted from the checkpoint's files without
     reading the rest: at the manifest's dtype, q/k rows in its RoPE style."""
-    from parity.storage.lazy import Dequantizer
+    from parity.storage.lazy import Dequantizer  # torch: this module must not load it
 
     r = ckpt.resolved
     files = Dequantizer.of(ckpt)  # FP8 weights read dequantized, in float32
@@ -214,7 +214,7 @@ def restyle_rope(name: str, x: torch.Tensor, layer: Layer, source: str, target: 
     """Permute q/k rows (and what shares their layout) from ``source`` to ``target`` RoPE style."""
     if not restyles(name, layer, source, target):
         return x
-    from parity.rope import half_permutation, interleave_permutation
+    from parity.rope import half_permutation, interleave_permutation  # torch: this module must not load it
 
     make = interleave_permutation if target == "interleaved" else half_permutation
     rows = _rope_rows(name, layer)
@@ -375,7 +375,7 @@ def check_convertible(ckpt: Checkpoint) -> None:
                           f"{problems.lstrip('; ')}")
     if not check.buffers:  # nothing to check (and torch, which the check needs, not imported)
         return
-    from parity.checkpoint.buffers import check_buffers
+    from parity.checkpoint.buffers import check_buffers  # torch: this module must not load it
 
     for b in check_buffers(ckpt, check):  # a head transformers unties would be tied in the neutral model
         if b["kind"] == "tied_copy" and not b["agrees"]:
@@ -486,7 +486,7 @@ def _dequantizer(ckpt: Checkpoint):
     """A parity.storage.lazy.Dequantizer for a quantized checkpoint (it needs torch); None for the others."""
     if ckpt.quantization is None:
         return None
-    from parity.storage.lazy import Dequantizer
+    from parity.storage.lazy import Dequantizer  # torch: this module must not load it
 
     return Dequantizer.of(ckpt)
 

@@ -12,14 +12,64 @@ import torch
 from safetensors import safe_open
 
 from parity.errors import ParityError
-from parity.neutral.model import DTYPE_NAMES, FORMAT, FORMAT_VERSION, MANIFEST, Manifest, problems
+from parity.neutral.model import (DTYPE_NAMES, FORMAT, FORMAT_VERSION, MANIFEST, Manifest, executor_tensors,
+                                  scaling_problems)
 from parity.storage.jsonfile import check_schema, read_json
 from parity.storage.lazy import NeutralSource
-from parity.storage.shards import hash_file, read_header
+from parity.storage.shards import hash_file, plain_file_name, read_header
 
 STORED_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}  # name -> safetensors'
 DTYPES = {n: getattr(torch, n) for n in DTYPE_NAMES}  # the model dtypes a manifest may state, as torch's
 FIX = "re-convert with `parity convert --to neutral`"
+
+
+def problems(m: Manifest) -> list[str]:
+    """What the schema cannot say alone: counts that must agree, sizes that must divide, layers that must exist."""
+    found = []
+    if len(m.layers) != m.num_layers:
+        found.append(f"layers: {len(m.layers)} entries for num_layers {m.num_layers}")
+    for i, layer in enumerate(m.layers):
+        where = f"layers.{i}.attention"
+        att = layer.attention
+        rope, mla = att.rope, att.mla
+        if (att.kind == "mla") != (mla is not None):
+            found.append(f"{where}: kind {att.kind!r} but mla is {'set' if mla else 'null'}")
+        if mla is None and att.heads % att.kv_heads:
+            found.append(f"{where}: heads {att.heads} is not a multiple of kv_heads {att.kv_heads}")
+        if att.kv_shared_from is not None and att.kv_shared_from >= i:
+            found.append(f"{where}.kv_shared_from: {att.kv_shared_from} is not an earlier layer")
+        if mla is not None and rope is None:
+            found.append(f"{where}: MLA needs rope")
+        if rope is not None:
+            width = mla.qk_rope_head_dim if mla is not None else att.head_dim
+            if rope.rotary_dim % 2 or rope.rotary_dim > width:
+                found.append(f"{where}.rope.rotary_dim: {rope.rotary_dim} must be even and at most {width}")
+            found += scaling_problems(rope, f"{where}.rope.scaling")
+        moe = layer.mlp.moe
+        if moe is not None:
+            where = f"layers.{i}.mlp.moe"
+            groups = moe.groups or 1
+            if moe.top_k > moe.experts:
+                found.append(f"{where}: top_k {moe.top_k} exceeds experts {moe.experts}")
+            if groups > 1 and (moe.experts % groups or moe.experts // groups < 2
+                               or not 1 <= (moe.groups_kept or 0) <= groups):
+                found.append(f"{where}: {moe.experts} experts in {groups} groups (keeping {moe.groups_kept}) do not "
+                             f"divide into groups of 2 or more")
+    for name, shape in executor_tensors(m).items():
+        if name not in m.tensors:
+            found.append(f"tensors: {name} is missing (the executor reads it)")
+        elif tuple(m.tensors[name].shape) != shape:
+            found.append(f"tensors.{name}: shape {m.tensors[name].shape} does not match the sizes the manifest "
+                         f"states ({list(shape)})")
+    if not m.files:
+        found.append("files: lists no file")
+    odd = [f for f in m.files if not plain_file_name(f)]
+    if odd:
+        found.append(f"files: {odd[0]!r} is not a file name in the directory")
+    unknown = sorted({t.file for t in m.tensors.values() if t.file is not None} - set(m.files))
+    if unknown:
+        found.append(f"tensors: name file {unknown[0]!r}, which files does not list")
+    return found
 
 
 def validate_manifest(data: Any, file: Path) -> Manifest:

@@ -2,7 +2,7 @@
 
 What ``manifest.json`` holds, what the executor runs, what a catalogued mistake edits and what an exporter
 writes are this one object (``Manifest``): read and validated once (parity.neutral.manifest), then passed as it
-is. Each field declares, once, where its value comes from (the adapter setting it reads, parity.adapter.declared),
+is. Each field declares, once, where its value comes from (the adapter setting it reads, parity.neutral.declared),
 its default (what a manifest written before the field existed means) and its meaning; parity.neutral.converter
 fills the model from those declarations, and docs/neutral-layout.md's field table is generated from them
 (``field_table``).
@@ -19,8 +19,7 @@ from typing import Annotated, Any, Callable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from parity.adapter.declared import Source, declarations, derived, given, module, norm, setting
-from parity.storage.shards import plain_file_name
+from parity.neutral.declared import Source, declarations, derived, given, module, norm, setting
 
 FORMAT = "parity-neutral"
 FORMAT_VERSION = 1
@@ -200,7 +199,8 @@ class Moe(Glu):
     router_dtype: Literal["float32", "model"] = setting(
         "mlp.moe_router_dtype", "float32: the router's weights kept and applied in float32 (DeepSeek-V3)")
     weights_dtype: Literal["float32", "model"] = setting(
-        "mlp.moe_weights_dtype", "the dtype in which the routing weights multiply the experts' outputs", "float32")
+        "mlp.moe_weights_dtype", "the dtype in which the routing weights multiply the experts' outputs: float32 "
+        "(DeepSeek-V3, Gemma 4, Mixtral) or the model's (Qwen3-MoE); only a low-precision run tells", "float32")
     weights_input: bool = setting(
         "mlp.moe_weights_input", "the routing weights multiply each chosen expert's input instead (Llama 4)", False)
     expert_norm: Optional[Norm] = norm("moe_norm", "a norm on the experts' input")
@@ -570,55 +570,6 @@ def executor_tensors(m: Manifest) -> dict[str, tuple[int, ...]]:
             out[p + "pli.gate.weight"] = (pli.size, d)
             out[p + "pli.proj.weight"] = (d, pli.size)
     return out
-
-
-def problems(m: Manifest) -> list[str]:
-    """What the schema cannot say alone: counts that must agree, sizes that must divide, layers that must exist."""
-    found = []
-    if len(m.layers) != m.num_layers:
-        found.append(f"layers: {len(m.layers)} entries for num_layers {m.num_layers}")
-    for i, layer in enumerate(m.layers):
-        where = f"layers.{i}.attention"
-        att = layer.attention
-        rope, mla = att.rope, att.mla
-        if (att.kind == "mla") != (mla is not None):
-            found.append(f"{where}: kind {att.kind!r} but mla is {'set' if mla else 'null'}")
-        if mla is None and att.heads % att.kv_heads:
-            found.append(f"{where}: heads {att.heads} is not a multiple of kv_heads {att.kv_heads}")
-        if att.kv_shared_from is not None and att.kv_shared_from >= i:
-            found.append(f"{where}.kv_shared_from: {att.kv_shared_from} is not an earlier layer")
-        if mla is not None and rope is None:
-            found.append(f"{where}: MLA needs rope")
-        if rope is not None:
-            width = mla.qk_rope_head_dim if mla is not None else att.head_dim
-            if rope.rotary_dim % 2 or rope.rotary_dim > width:
-                found.append(f"{where}.rope.rotary_dim: {rope.rotary_dim} must be even and at most {width}")
-            found += scaling_problems(rope, f"{where}.rope.scaling")
-        moe = layer.mlp.moe
-        if moe is not None:
-            where = f"layers.{i}.mlp.moe"
-            groups = moe.groups or 1
-            if moe.top_k > moe.experts:
-                found.append(f"{where}: top_k {moe.top_k} exceeds experts {moe.experts}")
-            if groups > 1 and (moe.experts % groups or moe.experts // groups < 2
-                               or not 1 <= (moe.groups_kept or 0) <= groups):
-                found.append(f"{where}: {moe.experts} experts in {groups} groups (keeping {moe.groups_kept}) do not "
-                             f"divide into groups of 2 or more")
-    for name, shape in executor_tensors(m).items():
-        if name not in m.tensors:
-            found.append(f"tensors: {name} is missing (the executor reads it)")
-        elif tuple(m.tensors[name].shape) != shape:
-            found.append(f"tensors.{name}: shape {m.tensors[name].shape} does not match the sizes the manifest "
-                         f"states ({list(shape)})")
-    if not m.files:
-        found.append("files: lists no file")
-    odd = [f for f in m.files if not plain_file_name(f)]
-    if odd:
-        found.append(f"files: {odd[0]!r} is not a file name in the directory")
-    unknown = sorted({t.file for t in m.tensors.values() if t.file is not None} - set(m.files))
-    if unknown:
-        found.append(f"tensors: name file {unknown[0]!r}, which files does not list")
-    return found
 
 
 def field_table() -> str:

@@ -90,7 +90,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
 @cache
 def register() -> None:
     """ATTENTION in transformers' registries, once per process (registering again would change nothing)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # heavy: transformers
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, _attention)

@@ -6,7 +6,9 @@ through here; the check compares what they emit.
 
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
 import queue
 import threading
 import weakref
@@ -18,6 +20,8 @@ import torch
 from parity.checkpoint import Checkpoint
 from parity.checkpoint.inputs import available_memory, trim_heap
 from parity.errors import ParityError
+from parity.reference.capture import hooks, input_value, with_input
+from parity.storage import lazy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Emit = Callable[[str, torch.Tensor], None]
@@ -112,7 +116,7 @@ def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device:
     (parity.storage.lazy). ``device`` "auto" with several GPUs spreads a whole model over them (accelerate's
     device_map). ``attn``: transformers' attention implementation (a candidate's kernel; the reference is eager);
     ``compile``: what runs between capture points is compiled (compile_between_points)."""
-    import transformers
+    import transformers  # heavy: transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -125,15 +129,17 @@ def _load_hf(ckpt: Checkpoint, dtype: torch.dtype, stream: bool = False, device:
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     try:
         if stream:
-            from parity.storage.lazy import streamed_hf
-
-            model = streamed_hf(cls, ckpt, dtype, device, **extra)
+            model = lazy.streamed_hf(cls, ckpt, dtype, device, **extra)
             if attn != "eager":
                 model.set_attn_implementation(attn)
         else:
             place = {} if device == "cpu" else {"device_map": device}
-            model, loading = cls.from_pretrained(ckpt.path, attn_implementation=attn, dtype=dtype, **place, **extra,
-                                                 output_loading_info=True)
+            # a model no adapter knows is read with its model_type's config class, as AutoModelForCausalLM and
+            # streamed_hf read it: the class it is built with may be borrowed, and the borrowed class's config class
+            # not know its keys (EXAONE's num_layers is ExaoneConfig's alias, not LlamaConfig's)
+            read = {"config": transformers.AutoConfig.from_pretrained(ckpt.path)} if ckpt.resolved.generic else {}
+            model, loading = cls.from_pretrained(ckpt.path, attn_implementation=attn, dtype=dtype, **place, **read,
+                                                 **extra, output_loading_info=True)
             model.eval()
             _refuse_missing(ckpt, loading)
     except (MemoryError, ParityError):
@@ -190,8 +196,6 @@ def _compiled(forward, layers: int):
     """``forward`` under torch.compile. Each layer's module compiles its own variant (its layer index, its kind of
     attention are guarded constants; decode steps add a dynamic shape): dynamo's limit of 8 would leave every layer
     past the eighth running eagerly, silently, so the limit is raised for these calls, and hitting it raises."""
-    import functools
-
     compiled = torch.compile(forward)
 
     @functools.wraps(forward)  # its signature: capture hooks find their argument by name
@@ -206,7 +210,7 @@ def compile_limits(layers: int):
     """A context raising dynamo's recompile limit to what a model of ``layers`` layers compiles (a variant per
     layer, and per shape when decoding; transformers' flex_attention compiles one per mask), where hitting it
     raises instead of running the rest eagerly, unsaid."""
-    import torch._dynamo
+    import torch._dynamo  # heavy: torch._dynamo
 
     limit = 4 * layers + 8
     return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit),
@@ -215,8 +219,6 @@ def compile_limits(layers: int):
 
 def _isolation_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
     """Pre-hooks that replace each layer's input (and the head's) by ``feed(i, input)``."""
-    from parity.reference.capture import input_value
-
     r = ckpt.resolved
     by_name = {c.name: c for c in r.capture}
     targets = [(i, by_name[f"layers.{i}.out"].module) for i in range(r.num_layers)]
@@ -249,8 +251,6 @@ def fed_points(ckpt: Checkpoint) -> list[str]:
 def _sublayer_hooks(model, ckpt: Checkpoint, feed: Feed) -> list:
     """Pre-hooks that replace each fed point's module input by ``feed(point, input)``: registered after the
     capture hooks, so the point is reported as the model computed it, then replaced."""
-    from parity.reference.capture import input_value, with_input
-
     handles, fed = [], set(fed_points(ckpt))
     for c in ckpt.resolved.capture:
         if c.name not in fed:
@@ -383,8 +383,6 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
     device = models.device.get(role, models.device["reference"])
 
     def run(emit: Emit) -> None:
-        from parity.reference.capture import hooks
-
         # capture hooks first: a layer's input is reported as computed, then replaced when isolating; ops after the
         # engine's hooks, so that an op read at an output includes what the engine adds there
         engine = arithmetic.emulate(model) if arithmetic is not None else nullcontext()
@@ -412,8 +410,6 @@ def hf_runner(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.T
 def cached_forward(model, ids: torch.Tensor, cache=None):
     """One forward of a transformers causal LM that keeps its KV cache: (output, the cache to pass next time).
     transformers 5.24 names the cache ``cache``; earlier releases ``past_key_values``."""
-    import inspect
-
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(input_ids=ids, use_cache=True, **({} if cache is None else {name: cache}))
     return out, getattr(out, name, None)
@@ -430,8 +426,6 @@ def hf_decoder(models: Models, ckpt: Checkpoint, dtype: torch.dtype, ids: torch.
     wanted = capture + wanted_ops(ckpt, points)
 
     def run(emit: Callable[[int, str, torch.Tensor], None]) -> None:
-        from parity.reference.capture import hooks
-
         step = 0
         limits = compile_limits(ckpt.resolved.num_layers) if attn != "eager" or compile else nullcontext()
         with hooks(model, wanted, lambda name, t: emit(step, name, t)), limits, torch.no_grad():

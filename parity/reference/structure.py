@@ -53,22 +53,23 @@ _PLACEHOLDERS = {
 
 
 def transformers_class(config: dict):
-    """transformers' own model class for a config (its ``architectures``, else the causal LM of its
-    ``model_type``), or None: a name transformers here does not have (code a checkpoint would bring along)."""
-    import transformers
+    """transformers' own model class for a config: its ``architectures``' first where transformers has it, else
+    the causal LM of its ``model_type``, as AutoModelForCausalLM builds a checkpoint whose class comes with code of
+    its own (EXAONE's published ExaoneForCausalLM is transformers' LlamaForCausalLM); None where it has neither."""
+    import transformers  # heavy: transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     archs = config.get("architectures") or []
-    name = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))
-    cls = getattr(transformers, name, None) if isinstance(name, str) else None
-    if not (inspect.isclass(cls) and cls.__module__.startswith("transformers.models.")
-            and issubclass(cls, torch.nn.Module)):
-        return None
-    return cls
+    for name in (*archs[:1], MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))):
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if inspect.isclass(cls) and cls.__module__.startswith("transformers.models.") \
+                and issubclass(cls, torch.nn.Module):
+            return cls
+    return None
 
 
 def _config_object(config: dict, cls, source: str):
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING  # heavy: transformers
 
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
@@ -86,7 +87,7 @@ def _config_object(config: dict, cls, source: str):
 
 def _meta_model(cls, cfg, source: str):
     """The model built on the meta device: its modules without any weight."""
-    import transformers
+    import transformers  # heavy: transformers
 
     transformers.utils.logging.set_verbosity_error()
     try:
@@ -96,6 +97,33 @@ def _meta_model(cls, cfg, source: str):
         raise ParityError(f"{source}: transformers could not build {cls.__name__} from it on the meta device "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else 'no message'})"
                           f"; fix the config") from None
+
+
+def _refused_weights(model, tensors: dict) -> str:
+    """The model's weights transformers would leave missing, misshapen or unconverted loading a checkpoint of these
+    tensors (name -> an object with its ``shape``), each kind counted and its first names given ("" for none):
+    from_pretrained's own steps on meta tensors (no data read), its conversion mapping (renamed, split and fused
+    layouts), tied weights and the keys it ignores included."""
+    import transformers  # heavy: transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    state = {name: torch.empty(t.shape, device="meta") for name, t in tensors.items()}
+    config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model), device_map={"": "meta"})
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        loading, _ = convert_and_load_state_dict_in_model(model, state, config)
+        model.tie_weights(missing_keys=loading.missing_keys, recompute_mapping=False)
+        model._adjust_missing_and_unexpected_keys(loading)
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+    kinds = (("missing", sorted(loading.missing_keys)), ("wrong shape", sorted(k for k, *_ in loading.mismatched_keys)),
+             ("not converted", sorted(loading.conversion_errors)))
+    return "; ".join(f"{label} ({len(keys)}): {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+                     for label, keys in kinds if keys)
 
 
 def _recorded(model, key: str) -> type | None:
@@ -201,9 +229,11 @@ def _when(present: list[int], n: int) -> str | None:
     return None if len(present) == n else f"i in {present}"
 
 
-def discover(config: dict, source: str = "config.json") -> Adapter | None:
+def discover(config: dict, source: str = "config.json", tensors: dict | None = None) -> Adapter | None:
     """A generated adapter for a config of transformers' own classes (None for any other: the caller refuses it
-    as an unsupported architecture), its capture map discovered from the model built on the meta device."""
+    as an unsupported architecture), its capture map discovered from the model built on the meta device.
+    ``tensors`` (a checkpoint's inventory: name -> its ``shape``): refused unless transformers loads them into that
+    model with none of its weights missing or misshapen."""
     cls, model_type = transformers_class(config), config.get("model_type")
     if cls is None or not model_type:
         return None
@@ -211,6 +241,10 @@ def discover(config: dict, source: str = "config.json") -> Adapter | None:
     if cfg is None:
         return None
     model = _meta_model(cls, cfg, source)
+    refused = _refused_weights(model, tensors) if tensors is not None else ""
+    if refused:
+        raise ParityError(f"{source}: its weights do not load into transformers' {cls.__name__} ({refused}); check "
+                          f"that config.json belongs to these weights")
     base = getattr(model, "base_model_prefix", "") or ""
     if not hasattr(model, base) or getattr(model, base) is model:
         base = ""
@@ -253,7 +287,7 @@ def discover(config: dict, source: str = "config.json") -> Adapter | None:
                **({} if head is None else {"logits": {"module": "", "io": "output", "field": "logits"}})}
     found = {**found, **({} if final is None else {"final_norm": final}),
              "embedding": next(p for p, m in model.named_modules() if m is embedding)}
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # heavy: transformers
 
     causal = cls.__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     heads = getattr(cfg, "num_attention_heads", None)

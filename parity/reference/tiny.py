@@ -15,7 +15,10 @@ import math
 import tempfile
 from pathlib import Path
 
+import tokenizers
 import torch
+import transformers
+from transformers import PreTrainedTokenizerFast
 
 from parity.adapter import Adapter
 from parity.adapter.expr import evaluate
@@ -55,8 +58,6 @@ def tiny_config(adapter: Adapter, layers: int | None = None, width: int | None =
 def build_model(adapter: Adapter, layers: int | None = None, seed: int = 0, *, width: int | None = None,
                 architecture: str | None = None, overrides: dict | None = None) -> torch.nn.Module:
     """The tiny model of a family, randomised; ``architecture``/``overrides`` build other forms of it."""
-    import transformers
-
     transformers.utils.logging.disable_progress_bar()
     default_arch, kwargs = tiny_config(adapter, layers, width)
     architecture = architecture or default_arch
@@ -87,17 +88,14 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = tokenizers.pre_tokenizers.ByteLevel.alphabet()
     # GPT-2's byte-to-unicode table ordered by byte value, so that token id == byte value
     table = _bytes_to_unicode()
     vocab = {table[b]: b for b in range(VOCAB)}
     assert set(vocab) == set(byte_chars)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096)
 
 
@@ -132,8 +130,6 @@ def make_tiny(adapter: Adapter, out: Path, *, layers: int | None = None, seed: i
 def tiny_manifest(adapter: Adapter, width: int | None = None) -> Manifest:
     """The neutral manifest of the family's tiny checkpoint (``width``: its hidden size widened), from its config
     alone (no weights built)."""
-    import transformers
-
     architecture, kwargs = tiny_config(adapter, width=width)
     config = getattr(transformers, architecture).config_class(**kwargs).to_dict()
     config["architectures"] = [architecture]

@@ -271,7 +271,7 @@ def extras(report: Report) -> list[tuple[str, list[str]]]:
             if role == "reference":
                 quantized.append(f"reference: {what}, dequantized to {q.get('dequantized_to')} by "
                                  f"{q.get('dequantized_by')}")
-            elif "types" in q:  # a GGUF file's matrices, calibrated to what they cost
+            elif "types" in q:  # an engine file's quantized matrices by type, calibrated to what they cost
                 types = ", ".join(f"{n} {k}" for k, n in q["types"].items())
                 quantized.append(f"candidate: tensors {types}; noise: {q.get('noise', 'not measured')}")
             else:

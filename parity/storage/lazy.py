@@ -201,7 +201,7 @@ def streamed_hf(cls, ckpt, dtype: torch.dtype, device: str = "cpu", **kwargs):
     conversion mapping, one layer's checkpoint tensors at a time, so renamed, legacy and fused (MoE
     expert) layouts load exactly as ``from_pretrained`` loads them.
     """
-    import transformers
+    import transformers  # heavy: transformers, accelerate
     from accelerate import init_empty_weights
 
     config = transformers.AutoConfig.from_pretrained(ckpt.path)
@@ -239,7 +239,7 @@ class _Loader:
     """Checkpoint tensors grouped by the decoder layer they load into, and loading them with transformers."""
 
     def __init__(self, model, ckpt, dtype: torch.dtype, device: str):
-        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.conversion_mapping import get_model_conversion_mapping  # heavy: transformers
         from transformers.core_model_loading import WeightConverter, WeightRenaming
 
         self.model, self.ckpt, self.dtype, self.device = model, ckpt, dtype, device
@@ -253,7 +253,7 @@ class _Loader:
 
     def rename(self, key: str) -> tuple[str, str | None]:
         """(the model's key, the converter pattern if one applies) for a checkpoint key, as transformers does."""
-        from transformers.core_model_loading import rename_source_key
+        from transformers.core_model_loading import rename_source_key  # heavy: transformers
 
         prefix = self.model.base_model_prefix
         renamed, pattern = rename_source_key(key, self.renamings, self.converters, prefix, self.meta)
@@ -309,14 +309,13 @@ class _Loader:
         """Load these checkpoint tensors into the model with transformers' own conversion code."""
         if not keys:
             return
+        import transformers  # heavy: transformers
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
         state = {key: self.deq.read(key) for key in keys}
         config = LoadStateDictConfig(dtype=self.dtype, dtype_plan=self.model._get_dtype_plan(self.dtype),
                                      weight_mapping=self.mapping, device_map={"": self.device})
-        import transformers
-
         verbosity = transformers.utils.logging.get_verbosity()
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()

@@ -77,7 +77,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
                dtype: torch.dtype | None = None) -> torch.Tensor:
     """``weight * scale`` of each block, computed in float32 (float64 if asked) and cast to ``dtype`` (float32 if
     None) once."""
-    import torch
+    import torch  # torch: parity.neutral.converter imports this module
 
     dtype = torch.float32 if dtype is None else dtype
     rows, cols = weight.shape[-2:]
@@ -99,7 +99,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 def rounding_error(x: torch.Tensor, dtype: torch.dtype) -> float:
     """rel_l2 of the float32 dequantization ``x`` written at ``dtype`` (0 for float32: x is fp8 * scale correctly
     rounded, within 2 ** -24 of the exact product), a few thousand rows at a time in float32, summed in float64."""
-    import torch
+    import torch  # torch: parity.neutral.converter imports this module
 
     if dtype == torch.float32:
         return 0.0

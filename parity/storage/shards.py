@@ -99,7 +99,7 @@ def dtype_code(dtype: Any) -> str:
 def __getattr__(name: str) -> Any:
     """DTYPE_NAMES (torch dtype -> code), made when first asked for: it needs torch."""
     if name == "DTYPE_NAMES":
-        import torch
+        import torch  # torch: parity.neutral.converter imports this module
 
         return {getattr(torch, n): code for n, code in CODES.items()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -326,7 +326,7 @@ class ShardWriter:
                 raise RuntimeError(f"shard writer: {name} came as {total} bytes, planned {planned.nbytes}")
             self.parts.add(part.finish())
             return
-        import torch  # a tensor was given: torch is imported already
+        import torch  # torch: parity.neutral.converter imports this module (a tensor was given: it is loaded)
 
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         part = self._part()

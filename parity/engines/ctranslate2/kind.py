@@ -19,12 +19,20 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from parity.candidates.weights import checkpoint
+from parity.checkpoint import stored_tensor_map
+from parity.compare import metrics
+from parity.engines.common import converted, require
+from parity.engines.same_weights import write_reference
 from parity.errors import ParityError
+from parity.storage.lazy import Dequantizer
+from parity.weights import FLOAT_TYPES, Tally, Weights, commonest
 
 KIND = "ctranslate2"
 MATRIX = "ctranslate2:{checkpoint}"  # its --candidate in the engine x family matrix (bench/engines.py)
@@ -46,8 +54,6 @@ NOT_COMPARED = ("CTranslate2's API returns the logits only (Generator.forward_ba
 
 
 def _ct2():
-    from parity.engines.common import require
-
     return require("ctranslate2", "ctranslate2", "CTranslate2")
 
 
@@ -137,8 +143,6 @@ class ModelBin:
         """How it stores its weights (parity.weights.Weights): every variable but the scalar settings
         and the int8 rows' scales (their bytes counted), by type; the scheme by CTranslate2's own name of the
         quantization that stores them so ("int8_float16": int8 matrices, float16 elsewhere)."""
-        from parity.weights import FLOAT_TYPES, Tally, commonest
-
         tally = Tally()
         for name, (shape, kind, _, size) in self.names.items():
             if name.endswith("_scale") and name.removesuffix("_scale") in self.names:
@@ -190,11 +194,10 @@ def model_dir(candidate) -> Path:
 def convert(source: Path, quantization: str) -> Path:
     """``source`` converted by CTranslate2's TransformersConverter at ``quantization``, into the cache."""
     ct2 = _ct2()
-    from parity.engines.common import converted
 
     def run(out: Path) -> None:
-        import transformers
-        from ctranslate2.converters import TransformersConverter
+        import transformers  # heavy: transformers
+        from ctranslate2.converters import TransformersConverter  # optional: ctranslate2
 
         transformers.utils.logging.disable_progress_bar()
         level = transformers.utils.logging.get_verbosity()
@@ -367,14 +370,14 @@ def validate(path: Path, adapter_dirs=()) -> None:
         raise ParityError(f"--candidate ctranslate2:{path}: neither a Hugging Face checkpoint (config.json) nor a "
                           f"CTranslate2 model directory (model.bin)")
     ct2 = _ct2()
-    import transformers
+    import transformers  # heavy: transformers
 
     try:
         config = transformers.AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as exc:
         raise ParityError(f"--candidate ctranslate2:{path}: transformers cannot read its config ({exc})") from None
     try:
-        from ctranslate2.converters.transformers import _MODEL_LOADERS as known
+        from ctranslate2.converters.transformers import _MODEL_LOADERS as known  # optional: ctranslate2
     except ImportError:  # a converter laid out otherwise: its own error comes at conversion
         return
     name = type(config).__name__
@@ -407,11 +410,6 @@ def weights(path: Path, engine: dict):
     not quantized. Integer weights computed at an integer compute_type (the model's own by default) quantize the
     activations too, which a reference on the dequantized weights does not (it computes as transformers does): said
     in ``unemulated``."""
-    from dataclasses import replace
-
-    from parity.candidates.weights import checkpoint
-    from parity.weights import Weights
-
     path = Path(path)
     given = _checked(path, engine)
     q = given.get("quantization")
@@ -474,11 +472,6 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     float32 with the same converter: its rows are the checkpoint's exactly). Vectors (norms, biases), which
     CTranslate2 does not quantize, keep the checkpoint's own. Returns what the file held, as
     every engine's read_back does (parity.engines.same_weights)."""
-    from parity.checkpoint import stored_tensor_map
-    from parity.compare import metrics
-    from parity.engines.same_weights import write_reference
-    from parity.storage.lazy import Dequantizer
-
     found = ModelBin(Path(path) / "model.bin")
     layout = ModelBin(convert(ckpt.path, "float32") / "model.bin")
     index = _row_index(layout)

@@ -1,4 +1,4 @@
-"""An adapter file's ``[gguf]`` section (parity.adapter.schema reads it): how llama.cpp runs the family, for the
+"""An adapter file's ``[gguf]`` section (``SECTION``, which parity.adapter.schema finds in this folder): how llama.cpp runs the family, for the
 exporter (export.py) and the candidate kind (kind.py). Absent: the family is not exported to GGUF."""
 
 from __future__ import annotations
@@ -58,3 +58,6 @@ class GGUFExport(BaseModel):
     # {tensor name ({i}: the layer): capture point, or "" where it is none of them}; a name llama.cpp gives no
     # layer index may still map to "layers.{i}...": the layer of the indexed tensor computed before it
     points: dict[str, str] = {}
+
+
+SECTION = GGUFExport  # an adapter file's [gguf]

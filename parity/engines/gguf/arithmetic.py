@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from parity.engines.arithmetic import FILE
 
@@ -137,8 +138,6 @@ class Arithmetic:
         return {"engine": self.engine, "matmuls": types, "gelu": "f16 table" if self.gelu_table else "computed"}
 
     def save(self, out: Path) -> None:
-        from safetensors.torch import save_file
-
         (Path(out) / FILE).write_text(json.dumps({"engine": self.engine, "matmuls": self.matmuls,
                                                   "gelu_table": self.gelu_table}))
         if self.mins:
@@ -148,8 +147,6 @@ class Arithmetic:
     def load(path: Path) -> Arithmetic | None:
         """The arithmetic saved beside a same-weights reference, or None where there is none (or another
         engine's)."""
-        from safetensors.torch import load_file
-
         found = Path(path) / FILE
         if not found.is_file():
             return None

@@ -20,7 +20,9 @@ import re
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from parity.adapter import load_all
 from parity.checkpoint import open_checkpoint
@@ -416,8 +418,6 @@ def _leading_bos(directory: Path) -> int | None:
     processor = data.get("post_processor") if isinstance(data, dict) else None
     if not processor:
         return None
-    from tokenizers import Tokenizer
-
     one_word = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
                 "pre_tokenizer": None, "post_processor": processor, "decoder": None,
                 "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}
@@ -431,7 +431,7 @@ def _add_vocabulary(writer, vocab: tuple[list, list] | None, bos: int | None) ->
     """The file's tokenizer: llama.cpp's byte-level BPE with the default pre-tokenizer (the check reports any other
     tokenization), adding the BOS the checkpoint's tokenizer adds (``bos``) and no other, or "none" (parity feeds
     token ids; a file without a vocabulary says so)."""
-    import gguf
+    import gguf  # optional: gguf
 
     if vocab is None:
         writer.add_tokenizer_model("none")
@@ -449,8 +449,7 @@ def _add_vocabulary(writer, vocab: tuple[list, list] | None, bos: int | None) ->
 def _encoded(x: torch.Tensor, matrix, name: str = ""):
     """A tensor's data as gguf-py takes it, matrices (and stacked experts) in type ``matrix``, vectors and routers
     (KEPT_F32) F32: (data, its raw GGML type for quantized data, else None)."""
-    import gguf
-    import numpy as np
+    import gguf  # optional: gguf
 
     kind = matrix if x.dim() >= 2 and not name.endswith(KEPT_F32) else gguf.GGMLQuantizationType.F32
     if kind == gguf.GGMLQuantizationType.Q8_0 and x.shape[-1] % 32:
@@ -499,7 +498,7 @@ def export(path: Path, out: Path, *, qtype: str = "F32", force: bool = False, ad
     float16 checkpoint, beside ``out``). Returns the architecture, the family, ``tensors`` {name: GGML type}
     and ``summary`` (the types counted), as the written file's header states them."""
     try:
-        import gguf
+        import gguf  # optional: gguf
     except ImportError:
         raise ParityError("--to gguf writes with gguf-py: pip install 'parity[llama]' (or pip install gguf)") from None
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parity.adapter import load_all
 from parity.errors import ParityError
 
 FIX = "re-download it, or convert it again (parity convert --to gguf, or llama.cpp's convert_hf_to_gguf.py)"
@@ -254,7 +255,7 @@ def _alignment(metadata: dict[str, tuple[int, Any]], cur: _Cursor) -> int:
 def _gguf():
     """gguf-py, whose tables say which tensor types exist (and whose reader open_gguf returns)."""
     try:
-        import gguf
+        import gguf  # optional: gguf
     except ImportError:
         raise ParityError("reading a GGUF file needs gguf-py: pip install 'parity[llama]' (or pip install gguf)") \
             from None
@@ -297,8 +298,6 @@ def validate(path: Path, adapter_dirs=()) -> None:
     """Refuse a GGUF candidate parity cannot check, before anything runs: a malformed file (``read_header``), or one
     whose general.architecture no adapter's ``[gguf] arch`` names. The header walk alone: it checks all that
     gguf-py's reader would trip on, in a fraction of its time (which grows with the vocabulary)."""
-    from parity.adapter import load_all
-
     arch = read_header(Path(path)).metadata.get("general.architecture")
     known = sorted({a.spec.gguf.arch for a in load_all(adapter_dirs).values() if a.spec.gguf is not None})
     if not isinstance(arch, str):

@@ -18,8 +18,18 @@ import threading
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
+from parity.checkpoint.inputs import leading_bos
+from parity.dumps.mistakes import bos_id, classify
+from parity.engines.common import emit_steps
+from parity.engines.gguf import file as gguf_file
+from parity.engines.gguf.arithmetic import Arithmetic
+from parity.engines.gguf.ops import FUSED_NODES, OpCapture, missing, row_order
+from parity.engines.gguf.weights import read_back
 from parity.errors import ParityError
+from parity.names import point_order
+from parity.weights import FLOAT_TYPES, Tally, commonest
 
 KIND = "gguf"
 TAKES = "a GGUF file (.gguf)"
@@ -69,7 +79,7 @@ def _point(name: str, table: dict[str, str], layer: int | None = None) -> str | 
 
 def _ggml():
     """libggml-base (shipped beside libllama by llama-cpp-python), with the accessors the callback uses."""
-    import llama_cpp
+    import llama_cpp  # optional: llama_cpp
 
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
     found = sorted(lib_dir.glob("libggml-base*.so*")) + sorted(lib_dir.glob("libggml-base*.dylib")) \
@@ -162,7 +172,7 @@ class GGUFRun:
     def __init__(self, path: Path, n_tokens: int, points: dict[str, str] | None = None, ops: bool = False,
                  resolved=None, fuse: dict[str, list[str]] | None = None):
         try:
-            import llama_cpp
+            import llama_cpp  # optional: llama_cpp
         except ImportError:
             raise ParityError("a GGUF candidate runs in llama.cpp: pip install 'parity[llama]' (llama-cpp-python "
                               "builds llama.cpp; see docs/gguf.md for the build flags)") from None
@@ -187,8 +197,6 @@ class GGUFRun:
         self.src_ok = _layout_known(self.lib)
         self.ops = None
         if ops:
-            from parity.engines.gguf.ops import OpCapture, row_order
-
             self.ops = OpCapture(row_order(resolved, llama_cpp.llama_model_rope_type(self.model)),
                                  *_fused_ops(fuse or {}, resolved))
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
@@ -295,8 +303,6 @@ class GGUFRun:
 def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dict:
     """--same-weights: the file's own weights, and llama.cpp's arithmetic, as a reference
     (parity.engines.gguf.weights)."""
-    from parity.engines.gguf.weights import read_back
-
     return read_back(ckpt, Path(path), Path(out))
 
 
@@ -312,10 +318,7 @@ def weights(path: Path, engine: dict | None = None):
     per block, scales included), llama.cpp's name of the mix (general.file_type; without it, the type most
     matrices are in), and where the output (or the embedding it is tied to) and the token embedding are stored
     in another type than the mix's own (llama.cpp's mixes keep them wider)."""
-    from parity.engines.gguf.file import file_type, ggml_types, read_header
-    from parity.weights import FLOAT_TYPES, Tally, commonest
-
-    header, names = read_header(Path(path)), ggml_types()
+    header, names = gguf_file.read_header(Path(path)), gguf_file.ggml_types()
     tally, matrices, kinds = Tally(), {}, {}
     for t in header.tensors:
         kind = kinds[t.name] = names[t.type]
@@ -323,7 +326,7 @@ def weights(path: Path, engine: dict | None = None):
         tally.add(kind, elements, t.nbytes)
         if len(t.shape) > 1:
             matrices[kind] = matrices.get(kind, 0) + 1
-    named = file_type(header)
+    named = gguf_file.file_type(header)
     if named is None:
         scheme = commonest(matrices) or ""
     else:
@@ -371,7 +374,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
                 _note_ops(candidate, engine, captured)
             finally:
                 engine.close()
-        for name in sorted(captured, key=_order):
+        for name in sorted(captured, key=point_order):
             emit(name, captured[name])
 
     return run
@@ -392,9 +395,7 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
                 steps = [engine.run([token], start=s + k) for k, token in enumerate(tokens)]
             finally:
                 engine.close()
-        for step, captured in enumerate(steps, 1):
-            for name in sorted(captured, key=_order):
-                emit(step, name, captured[name])
+        emit_steps(steps, emit)
 
     return run
 
@@ -402,8 +403,6 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
 def _fused_ops(fuse: dict[str, list[str]], resolved) -> tuple[dict[str, list[str]], object]:
     """The fused graph tensors of the file (the adapter's [gguf] fuse) -> the ops side by side in them, and the
     reference's width of each op, to split them by."""
-    from parity.engines.gguf.ops import FUSED_NODES
-
     fused = {}
     for target, parts in fuse.items():
         nodes = FUSED_NODES.get(target.removeprefix("blk.{i}."), ())
@@ -435,8 +434,6 @@ def _note_ops(candidate, engine: GGUFRun, captured: dict) -> None:
     """Warn of the reference's ops llama.cpp's graph did not give (and of what it said while reading them)."""
     if engine.ops is None:
         return
-    from parity.engines.gguf.ops import missing
-
     for text in engine.ops.notes:
         candidate.notes.warn(f"llama.cpp: {text}")
     expected = [c.name for c in getattr(candidate.ckpt.resolved, "ops", ())] if candidate.ckpt is not None else []
@@ -452,10 +449,6 @@ def _compare_tokenization(notes, ckpt, engine: GGUFRun, ids: list[int]) -> None:
     path = getattr(ckpt, "path", None)
     if path is None or not (Path(path) / "tokenizer.json").is_file():
         return
-    from tokenizers import Tokenizer
-
-    from parity.checkpoint.inputs import leading_bos
-
     tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
     bos = leading_bos(tokenizer)
     ids = ids[1:] if bos is not None and ids[:1] == [bos] else ids  # the text's own ids, after the BOS added to it
@@ -480,8 +473,6 @@ def _compare_bos(notes, ckpt, tokenizer, engine: GGUFRun, text: str) -> None:
     """The same text with the specials each side adds to a text (the reference's tokenizer: its post-processor's;
     llama.cpp: the file's add_bos_token): a BOS added twice or left out is an input mistake of the file
     (parity.dumps.mistakes), named in a warning (the check fed the reference's ids)."""
-    from parity.dumps.mistakes import bos_id, classify
-
     ours, theirs = tokenizer.encode(text).ids, engine.tokenize(text, special=True)
     if theirs is None or theirs == ours:
         return
@@ -492,21 +483,11 @@ def _compare_bos(notes, ckpt, tokenizer, engine: GGUFRun, text: str) -> None:
                f"tokenizer.ggml.add_bos_token): {what}; the check fed the reference's ids")
 
 
-def _order(name: str):
-    from parity import names
-
-    return names.point_order(name)
-
-
 def validate(path: Path, adapter_dirs=()) -> None:
     """Refuse, before any model loads, a malformed GGUF file or one of an architecture no adapter covers."""
-    from parity.engines.gguf import file as gguf_file
-
     gguf_file.validate(Path(path), adapter_dirs)
 
 
 def arithmetic(out: Path):
     """llama.cpp's CPU arithmetic (parity.engines.gguf.arithmetic) that same_weights saved in ``out``, or None."""
-    from parity.engines.gguf.arithmetic import Arithmetic
-
     return Arithmetic.load(Path(out))

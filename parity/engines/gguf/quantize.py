@@ -47,7 +47,7 @@ def ftype(qtype: str) -> int:
     if qtype not in LLAMA_TYPES:
         raise ParityError(f"--gguf-type {qtype!r}: llama.cpp's quantizer makes {', '.join(LLAMA_TYPES)}")
     try:
-        import llama_cpp
+        import llama_cpp  # optional: llama_cpp
     except ImportError:
         raise ParityError(f"--gguf-type {qtype} is made by llama.cpp's own quantizer: {INSTALL}") from None
     number = getattr(llama_cpp, LLAMA_TYPES[qtype][0], None)
@@ -102,7 +102,7 @@ def summary(qtype: str, header: dict[str, tuple[str, int, int]]) -> str:
 
     e.g. ``Q4_K_M asked; rows a multiple of 256: 12 Q4_K, 4 Q6_K; other rows fell back: 13 Q5_0, 3 Q8_0;
     vectors: 6 F32``."""
-    import gguf
+    import gguf  # optional: gguf
 
     base = LLAMA_TYPES[qtype][1] if qtype in LLAMA_TYPES else qtype
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[base]][0]
@@ -125,7 +125,7 @@ def summary(qtype: str, header: dict[str, tuple[str, int, int]]) -> str:
 def _child(argv: list[str]) -> int:
     """python -m parity.engines.gguf.quantize SOURCE OUT FTYPE THREADS: llama.cpp logs to stderr (the parent's pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides: it kills this process on Ctrl-C
-    import llama_cpp
+    import llama_cpp  # optional: llama_cpp
 
     source, out, number, threads = argv
     llama_cpp.llama_backend_init()

@@ -57,7 +57,7 @@ def read_back(ckpt, path: Path, out: Path) -> dict:
     {"types": {GGML type: count}, "tensors": n, "not_a_quantization": {checkpoint tensor: rel_l2}, "bands": {type:
     rel_l2}, "rope_order_swapped": [the checkpoint tensors among them whose rows are the checkpoint's in the other
     RoPE order: a converter that permuted q/k for the wrong rotation]}."""
-    import gguf
+    import gguf  # optional: gguf
 
     spec = ckpt.adapter.spec.gguf
     reader = open_gguf(Path(path))
@@ -150,7 +150,7 @@ def _other_order(stored: torch.Tensor, original: torch.Tensor, kind: str, imatri
 
 def _tied_output(reader, arithmetic: Arithmetic) -> None:
     """A tied head: llama.cpp multiplies the final norm's output by token_embd, whose type rounds that input too."""
-    import gguf
+    import gguf  # optional: gguf
 
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     kind = gguf.GGMLQuantizationType(embd.tensor_type).name
@@ -176,7 +176,7 @@ def requantized_blocks(stored: torch.Tensor, expected: torch.Tensor, kind: str) 
     file holds it) quantized again by gguf-py, from float32 or from float16 or bfloat16 (what a converter writes
     before llama.cpp quantizes it), whichever reproduces more: 0 for a file llama.cpp quantized from this
     checkpoint. Evenly spaced rows, up to REQUANTIZED_ROWS values (the embedding takes 30 s whole)."""
-    import gguf
+    import gguf  # optional: gguf
 
     qt = gguf.GGMLQuantizationType[kind]
     rows = stored.reshape(-1, stored.shape[-1])

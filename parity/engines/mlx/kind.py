@@ -24,10 +24,20 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from parity.candidates.weights import checkpoint
+from parity.checkpoint import stored_tensor_map
+from parity.compare import metrics
 from parity.engines import common
+from parity.engines.graph_ops import as_op, missing_note
+from parity.engines.same_weights import write_reference
 from parity.errors import ParityError
+from parity.names import point_order
+from parity.storage.lazy import Dequantizer
+from parity.storage.shards import read_header
+from parity.weights import Tally, Weights
 
 KIND = "mlx"
 MATRIX = "mlx:{checkpoint}"  # its --candidate in the engine x family matrix (bench/engines.py)
@@ -59,15 +69,13 @@ def _mlx_lm():
 
 def _version() -> str:
     mlx_lm = _mlx_lm()
-    import mlx.core as mx
+    import mlx.core as mx  # optional: mlx
 
     return f"mlx-lm {getattr(mlx_lm, '__version__', '?')}, mlx {mx.__version__}"
 
 
 def _header(file: Path):
     """A safetensors file's checked header (names, dtypes, shapes, metadata), no tensor read."""
-    from parity.storage.shards import read_header
-
     return read_header(Path(file))
 
 
@@ -94,7 +102,7 @@ def validate(path: Path, adapter_dirs=()) -> None:
     if not _files(path):
         raise ParityError(f"--candidate mlx:{path}: no model*.safetensors in it; mlx-lm reads safetensors only")
     _mlx_lm()
-    from mlx_lm.utils import _get_classes
+    from mlx_lm.utils import _get_classes  # optional: mlx_lm
 
     config = json.loads((path / "config.json").read_text())
     try:
@@ -142,7 +150,7 @@ def model_dir(path: Path, conversion: dict) -> Path:
     if is_mlx_dir(path):
         return path
     _mlx_lm()
-    from mlx_lm.convert import convert
+    from mlx_lm.convert import convert  # optional: mlx_lm
 
     def run(out: Path) -> None:
         try:
@@ -160,7 +168,7 @@ def model_dir(path: Path, conversion: dict) -> Path:
 def load(directory: Path):
     """mlx-lm's model for an mlx-lm directory, with its config."""
     _mlx_lm()
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_model  # optional: mlx_lm
 
     try:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -298,10 +306,7 @@ class Taps:
         """What the last forward recorded, as float32 torch tensors [1, S, width] (evaluated together); an op laid
         out as docs/ops.md says (``s``: the forward's positions; an op whose shape is not one of its layouts is
         left out, and why is in ``absent_ops``)."""
-        import mlx.core as mx
-        import numpy as np
-
-        from parity.engines.graph_ops import as_op
+        import mlx.core as mx  # optional: mlx
 
         arrays = {k: v for k, v in self.seen.items() if isinstance(v, mx.array)}
         mx.eval(*arrays.values())
@@ -366,9 +371,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
         raise ParityError("an mlx candidate runs one sequence at a time")
 
     def run(emit) -> None:
-        import mlx.core as mx
-
-        from parity.engines.graph_ops import missing_note
+        import mlx.core as mx  # optional: mlx
 
         with _LOCK:
             model, taps = _opened(candidate, ops=True)
@@ -380,7 +383,7 @@ def make_runner(candidate, ids: torch.Tensor, feed):
         lacking = missing_note(taps.absent_ops, "mlx-lm model")
         if lacking:
             candidate.notes.warn(lacking)
-        for name in sorted(captured, key=_order):
+        for name in sorted(captured, key=point_order):
             emit(name, captured[name])
 
     return run
@@ -393,7 +396,7 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
         raise ParityError("an mlx candidate runs one sequence at a time")
 
     def run(emit) -> None:
-        import mlx.core as mx
+        import mlx.core as mx  # optional: mlx, mlx_lm
         from mlx_lm.models.cache import make_prompt_cache
 
         with _LOCK:
@@ -408,9 +411,7 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
                     steps.append(taps.take())
             finally:
                 taps.close()
-        for step, captured in enumerate(steps, 1):
-            for name in sorted(captured, key=_order):
-                emit(step, name, captured[name])
+        common.emit_steps(steps, emit)
 
     return run
 
@@ -428,11 +429,8 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
     layer), written as a float32 reference checkpoint under the checkpoint's names and layout. Each tensor is
     judged on its way back (BANDS, EXACT); one that is not a quantization of the checkpoint's is reported and the
     reference keeps the checkpoint's own there, so that the check judges it."""
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # optional: mlx, mlx_lm
     from mlx_lm.utils import dequantize_model
-
-    from parity.engines.same_weights import write_reference
-    from parity.storage.lazy import Dequantizer
 
     directory = model_dir(Path(path), conversion_settings(Path(path), engine))
     with _LOCK:
@@ -470,8 +468,6 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
 
 def _weights(ckpt) -> list[str]:
     """The checkpoint's weights as stored (the adapter's tensor map; buffers and ignored tensors left out)."""
-    from parity.checkpoint import stored_tensor_map
-
     stored = stored_tensor_map(ckpt.resolved, ckpt.check())
     return [name for name in ckpt.tensors if name in stored]
 
@@ -485,8 +481,6 @@ def _names(name: str, prefix: str) -> list[str]:
 def _oriented(x: torch.Tensor, original: torch.Tensor) -> tuple[torch.Tensor | None, float]:
     """``x`` laid out as the checkpoint stores it (mlx-lm transposes GPT-2's Conv1D matrices as it loads them):
     as held, or transposed, whichever is nearer the checkpoint's; None where neither shape fits."""
-    from parity.compare import metrics
-
     options = [x] + ([x.T] if x.dim() == 2 and x.shape[0] != x.shape[1] else [])
     fits = [(metrics(y.float(), original)["rel_l2"], k) for k, y in enumerate(options) if y.shape == original.shape]
     if not fits:
@@ -497,8 +491,7 @@ def _oriented(x: torch.Tensor, original: torch.Tensor) -> tuple[torch.Tensor | N
 
 def _torch(x) -> torch.Tensor:
     """An mlx array as a torch tensor of the same dtype (bfloat16 through float32: numpy has no bfloat16)."""
-    import mlx.core as mx
-    import numpy as np
+    import mlx.core as mx  # optional: mlx
 
     if x.dtype == mx.bfloat16:
         return torch.from_numpy(np.array(x.astype(mx.float32))).to(torch.bfloat16)
@@ -531,9 +524,6 @@ def weights(path: Path, engine: dict):
     safetensors headers (_stored); a Hugging Face checkpoint, from the conversion the engine options ask for,
     without converting: its bits, mode and group size by name (which matrices mlx-lm quantizes is its to decide
     when it converts), or unquantized, its safetensors headers cast to the conversion's dtype."""
-    from parity.candidates.weights import checkpoint
-    from parity.weights import Weights
-
     path = Path(path)
     conversion = conversion_settings(path, engine)
     if is_mlx_dir(path):
@@ -555,8 +545,6 @@ def _stored(directory: Path):
     matrix (its ``.scales`` beside it) once, as "affine-4bit", of its packed uint32 columns' weights, its scales
     and biases adding their bytes; the rest by dtype. The config's per-module overrides (mlx-lm's mixed recipes)
     give a module its own bits; an output or embedding stored otherwise than the rest is noted."""
-    from parity.weights import Tally
-
     config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
     quantization = config.get("quantization") or {}
     mode = quantization.get("mode", "affine")
@@ -590,9 +578,3 @@ def _stored(directory: Path):
 def shapes(path: Path, adapter_dirs=()) -> list:
     """The weights the engine holds (as stored: a quantized matrix by its packed size)."""
     return [entry.shape for f in _files(Path(path)) for entry in _header(f).tensors.values()]
-
-
-def _order(name: str):
-    from parity import names
-
-    return names.point_order(name)

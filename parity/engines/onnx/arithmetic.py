@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,8 +56,6 @@ PAIRS = "int16 pairs"  # a projection's products summed as MLAS's u8 x s8 kernel
 
 @functools.cache  # read once: every quantized projection of a graph asks
 def _cpu_flags() -> frozenset[str]:
-    import platform
-
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return frozenset()
     try:

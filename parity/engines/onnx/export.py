@@ -32,12 +32,17 @@ import importlib.util
 import json
 import logging
 import re
+import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import onnx
+import onnx_ir
 import torch
+from onnx_ir.passes.common import OutputFixPass
+from onnxscript.optimizer import optimize_ir
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from parity import __version__
@@ -157,7 +162,7 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
         weight_bytes = sum(_nbytes(t) for t in manifest.tensors.values())
         external = weight_bytes > EXTERNAL_DATA_BYTES
         if inject:  # a broken export rehearses a gate on small models: its tensors are changed in memory
-            if bugs.get(inject).decode:
+            if bugs.parse(inject)[0].decode:
                 raise ParityError(f"--inject {inject}: a KV-cache mistake is run by parity's executor, not written "
                                   f"into a graph; rehearse it with parity check --inject {inject} --decode N")
 
@@ -184,8 +189,6 @@ def export(path: Path, out: Path, *, dtype: str | None = None, debug_outputs: bo
         if source is None:
             program.save(tmp / out.name, external_data=external)
         else:  # the external tensors keep the file they were written to
-            import onnx_ir
-
             onnx_ir.save(program.model, tmp / out.name)
         del program
         _remove_tree(tmp / "neutral")
@@ -218,8 +221,6 @@ def _put_weights(program, source, weights: dict[str, torch.dtype], data: Path | 
     """Give the exported graph's fake weights their values, cast as the executor casts them: in the graph (small
     models), or streamed into the external data file ``data``, a chunk of rows at a time, each tensor 64-byte
     aligned and referenced where it lies (onnx_ir's ExternalTensor), so that no model-sized buffer is built."""
-    import onnx_ir
-
     initializers = program.model.graph.initializers
     if data is None:
         program.apply_weights({name: source.files.read(name, dtype=dtype) for name, dtype in weights.items()
@@ -246,8 +247,6 @@ def _nbytes(info: Tensor) -> int:
 
 
 def _remove_tree(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -298,9 +297,6 @@ def _tidy(program, outputs: list[str], weights: set[str]) -> None:
     touching a weight, so initializers keep their neutral names and no tensor is stored twice; give
     every output its own value under its capture-point name (points that are the same tensor, such as
     BERT's ``embed`` and ``layers.0.attn_in``, get an Identity each)."""
-    from onnx_ir.passes.common import OutputFixPass
-    from onnxscript.optimizer import optimize_ir
-
     def should_fold(node) -> bool | None:
         return False if any(v is not None and v.name in weights for v in node.inputs) else None
 
@@ -332,8 +328,6 @@ def _no_stack_traces() -> Iterator[None]:
 
 def check_file(path: Path) -> None:
     """onnx.checker's full check (by path: it reads external data itself)."""
-    import onnx
-
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as exc:  # noqa: BLE001

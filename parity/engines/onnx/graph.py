@@ -59,7 +59,7 @@ class Graph:
     alignment: tuple[str, str] = ("", "")  # (prefix of the checkpoint's module paths, the graph's in its place): align
 
     def __init__(self, model):
-        import onnx
+        import onnx  # heavy: onnx, loaded when the kind runs, not with every kind (candidates.kinds)
 
         try:
             model = onnx.shape_inference.infer_shapes(model)
@@ -283,7 +283,7 @@ def _is_square(g: Graph, node) -> str | None:
 
 
 def _constant_value(g: Graph, name: str):
-    import onnx.numpy_helper as nh
+    import onnx.numpy_helper as nh  # heavy: onnx, loaded when the kind runs, not with every kind (candidates.kinds)
 
     for init in g.model.graph.initializer:
         if init.name == name:

@@ -21,12 +21,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import torch
 
 from parity import names
 from parity.checkpoint import inside as in_directory
 from parity.engines.graph_ops import as_point, match_ops, missing_note, read_ops, wanted_ops
+from parity.engines.onnx.arithmetic import OrtArithmetic
 from parity.engines.onnx.graph import Graph, Matching, hidden_width, match, vocabulary
+from parity.engines.onnx.weights import read_back, stored
 from parity.errors import ParityError
 
 KIND = "onnx"
@@ -53,8 +56,6 @@ def detect(path: Path) -> bool:
 
 
 def _providers(name: str | None) -> list[str]:
-    import onnxruntime as ort
-
     available = ort.get_available_providers()
     if name is None:
         return ["CPUExecutionProvider"]
@@ -72,8 +73,7 @@ class Session:
     """An onnxruntime session over the graph with the matched values added as outputs."""
 
     def __init__(self, path: Path, extra: list[str], provider: str | None, g: Graph, ckpt):
-        import onnx
-        import onnxruntime as ort
+        import onnx  # heavy: onnx, loaded when the kind runs, not with every kind (candidates.kinds)
 
         self.ckpt = ckpt
         options = ort.SessionOptions()
@@ -219,7 +219,7 @@ def open_model(path: Path):
     """The ModelProto of an .onnx file, its weights left on disk: refused unless it is a model with a graph whose
     external data all lies, complete, in files inside the model's directory. Checked before onnxruntime sees the
     file: it would read whatever path a tensor's location names."""
-    import onnx
+    import onnx  # heavy: onnx, loaded when the kind runs, not with every kind (candidates.kinds)
 
     path = Path(path)
     try:
@@ -298,7 +298,7 @@ def _check_external(path: Path, tensor) -> None:
 
 def _nbytes(tensor) -> int | None:
     """Bytes of a tensor's data, where its element type has a fixed width (None for strings and packed 4-bit)."""
-    import onnx
+    import onnx  # heavy: onnx, loaded when the kind runs, not with every kind (candidates.kinds)
 
     try:
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
@@ -343,8 +343,6 @@ def describe(path: Path, engine: dict | None = None) -> dict:
 def same_weights(ckpt, path: Path, out: Path, engine: dict | None = None) -> dict:
     """--same-weights: the graph's own weights (dequantized where onnxruntime quantized them), and onnxruntime's
     arithmetic, as a reference (parity.engines.onnx.weights)."""
-    from parity.engines.onnx.weights import read_back
-
     file = onnx_file(Path(path))
     if file is None:
         raise ParityError(f"--same-weights: {path} is not an .onnx file")
@@ -370,14 +368,12 @@ def _warnings(matching: Matching, wanted: list[str], matched: dict, unmatched: d
 
 def make_runner(candidate, ids: torch.Tensor, feed):
     """Run the ONNX graph once and emit every capture point that could be matched."""
-    from parity.names import compared_points
-
     if feed is not None:
         raise ParityError(f"--candidate {candidate.path}: --isolate is not possible for an ONNX graph (its layers cannot be "
                           f"fed the reference's inputs); run without --isolate")
     path, ckpt, notes = onnx_file(Path(candidate.path)) or Path(candidate.path), candidate.ckpt, candidate.notes
     layerwise = candidate.options.layerwise
-    wanted = compared_points(ckpt, layerwise)
+    wanted = names.compared_points(ckpt, layerwise)
     ops = wanted_ops(ckpt, candidate.options)
     session, matching = _load(candidate, path, wanted + ops)
     hidden, vocab = hidden_width(ckpt), vocabulary(ckpt)
@@ -409,10 +405,8 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The prompt with an empty cache, then one token per step, each fed the ``present.*`` the step before
     returned as its ``past_key_values.*`` (by name) and its position; each step's matched points are emitted."""
-    from parity.names import compared_points
-
     path, ckpt = onnx_file(Path(candidate.path)) or Path(candidate.path), candidate.ckpt
-    session, matching = _load(candidate, path, compared_points(ckpt, candidate.options.layerwise))
+    session, matching = _load(candidate, path, names.compared_points(ckpt, candidate.options.layerwise))
     links = session.cache_outputs(path)
     hidden, vocab = hidden_width(ckpt), vocabulary(ckpt)
 
@@ -436,8 +430,6 @@ def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
 
 def arithmetic(out: Path):
     """onnxruntime's arithmetic (parity.engines.onnx.arithmetic) that same_weights saved in ``out``, or None."""
-    from parity.engines.onnx.arithmetic import OrtArithmetic
-
     return OrtArithmetic.load(Path(out))
 
 
@@ -445,7 +437,5 @@ def weights(path: Path, engine: dict | None = None):
     """How the graph stores its weights and which quantizer's form it holds (parity.engines.onnx.weights.stored),
     from its initializers' dims and types: external data is checked, never read (open_model refuses an unreadable
     file in one line, before anything else reads it)."""
-    from parity.engines.onnx.weights import stored
-
     file = onnx_file(Path(path))
     return stored(open_model(file)) if file is not None else None

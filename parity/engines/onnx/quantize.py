@@ -24,7 +24,14 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
+from onnxruntime import quantization as q
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+from parity.checkpoint import open_checkpoint
+from parity.checkpoint.inputs import make_inputs
+from parity.engines.onnx.export import export as to_onnx
 from parity.errors import ParityError
 from parity.storage import atomic
 
@@ -36,8 +43,6 @@ BLOCK = 32             # int4: weights per block along the input
 def fold_transposes(model) -> int:
     """Replace each Transpose of an initializer that only MatMuls read (as their B) by the transposed initializer,
     named ``{W}.T``; returns how many. Initializers left unread are dropped."""
-    from onnx import numpy_helper
-
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     readers: dict[str, list] = {}
@@ -101,16 +106,11 @@ class _Prompt:
 
 
 def _default_ids(model_dir: Path, adapter_dirs) -> np.ndarray:
-    from parity.checkpoint import open_checkpoint
-    from parity.checkpoint.inputs import make_inputs
-
     return make_inputs(open_checkpoint(Path(model_dir), adapter_dirs)).ids.numpy().astype(np.int64)
 
 
 def _quantize(mode: str, src: Path, dst: Path, ids: np.ndarray) -> None:
     """Run onnxruntime's quantizer of ``mode`` on the folded float graph at ``src``, writing ``dst``."""
-    import onnx
-
     model = onnx.load(str(src))
     nodes = _weight_matmuls(model)
     if not nodes:
@@ -127,8 +127,6 @@ def _quantize(mode: str, src: Path, dst: Path, ids: np.ndarray) -> None:
 
 
 def _run_quantizer(mode: str, src: Path, dst: Path, model, nodes: list[str], ids: np.ndarray) -> None:
-    from onnxruntime import quantization as q
-
     if mode == "int8-dynamic":
         q.quantize_dynamic(str(src), str(dst))
     elif mode == "qdq":
@@ -136,8 +134,6 @@ def _run_quantizer(mode: str, src: Path, dst: Path, model, nodes: list[str], ids
         q.quantize_static(str(src), str(dst), reader, quant_format=q.QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
                           nodes_to_quantize=nodes)
     elif mode == "int4":
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
         quantizer = MatMulNBitsQuantizer(model, block_size=BLOCK, nodes_to_include=nodes)
         quantizer.process()
         quantizer.model.save_model_to_file(str(dst))
@@ -149,9 +145,6 @@ def quantize(model_dir: Path, out: Path, mode: str, *, force: bool = False, adap
     """Export ``model_dir`` to ONNX in float32 (parity.engines.onnx.export.export, with ``export``'s options), fold the
     weights' transposes and quantize it with onnxruntime (``mode``: one of MODES), atomically at ``out``. Returns
     the export's summary with "quantized": {"mode", "ops": {op type: count}}."""
-
-    from parity.engines.onnx.export import export as to_onnx
-
     if mode not in MODES:
         raise ParityError(f"--onnx-quant {mode}: choose one of {', '.join(MODES)}")
     if export.get("dtype") not in (None, "float32"):
@@ -173,8 +166,6 @@ def quantize_graph(src: Path, dst: Path, mode: str, ids: np.ndarray) -> dict[str
     """Quantize parity's float32 export at ``src`` into ``dst`` (``mode``: one of MODES; ``ids`` [1, S]: the
     calibration prompt of qdq): its weights' transposes folded, onnxruntime's quantizer run, the export's metadata
     kept. Returns the quantized graph's count of each quantization op."""
-    import onnx
-
     model = onnx.load(str(src))
     if not fold_transposes(model):
         raise ParityError(f"{src}: the graph has no weight read through a Transpose to fold (not parity's export)")

@@ -53,7 +53,7 @@ UNREAD_OPS = {"QGemm", "QAttention", "MatMulIntegerToFloat", "DynamicQuantizeMat
 
 class _Graph:
     def __init__(self, path: Path):
-        import onnx
+        import onnx  # heavy: onnx, loaded when the kind runs, not with every kind (candidates.kinds)
         from onnx import numpy_helper
 
         model = onnx.load(str(path))
@@ -540,7 +540,7 @@ def _source(value: str, producer: dict) -> str:
 def _storage(init) -> str | None:
     """An initializer's storage type by name ("int8", "float16"), None for one that is no weight (int64 shapes,
     booleans)."""
-    from onnx import TensorProto as T
+    from onnx import TensorProto as T  # heavy: onnx, loaded when the kind runs, not with every kind (candidates.kinds)
 
     return {T.INT8: "int8", T.UINT8: "uint8", T.INT4: "int4", T.UINT4: "uint4", T.FLOAT: "float32",
             T.FLOAT16: "float16", T.BFLOAT16: "bfloat16", T.DOUBLE: "float64"}.get(init.data_type)
@@ -554,7 +554,7 @@ def _cast_weight(node, inits: dict) -> bool:
 
 def _bytes(init) -> int:
     """The bytes of an initializer's data by its dims and type (4-bit types packed two a byte)."""
-    import onnx
+    import onnx  # heavy: onnx, loaded when the kind runs, not with every kind (candidates.kinds)
 
     if init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
         return (math.prod(init.dims) + 1) // 2

@@ -3,12 +3,16 @@ weights compressed by NNCF where asked (the openvino candidate kind converts a H
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from pathlib import Path
 
 import torch
 
+from parity.engines.common import require
 from parity.errors import ParityError
+from parity.reference.decode import decodes
+from parity.reference.models import cached_forward
 
 EXAMPLE_PAST, EXAMPLE_NEW = 3, 2   # the traced call: a cache of 3 positions, 2 new tokens (no size is special)
 
@@ -17,9 +21,7 @@ def export(ckpt, out: Path, compression: str | None = None) -> None:
     """Write into ``out`` the OpenVINO IR of the checkpoint: transformers' own model traced by
     ``openvino.convert_model`` (a causal LM with its KV cache, made stateful by OpenVINO's transformation),
     weights compressed by NNCF when ``compression`` names an nncf.CompressWeightsMode, float32 kept as is."""
-    import openvino as ov
-
-    from parity.reference.decode import decodes
+    import openvino as ov  # optional: openvino
 
     model = _torch_model(ckpt)
     try:
@@ -42,7 +44,7 @@ def export(ckpt, out: Path, compression: str | None = None) -> None:
 def _torch_model(ckpt):
     """transformers' model of the checkpoint in float32, its experts computed as batched matmuls (the
     one expert implementation a trace keeps whole: the others branch on which experts the example routed to)."""
-    import transformers
+    import transformers  # heavy: transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -68,12 +70,8 @@ def _convert_plain(ov, model):
 def _convert_cached(ov, model):
     """The model with its KV cache as inputs (``past_key_values.{i}.key``, ...) and outputs (``present...``),
     traced through transformers' own DynamicCache, then made stateful: the cache becomes the model's states."""
-    import inspect
-
-    from openvino._offline_transformations import apply_make_stateful_transformation
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    from parity.reference.models import cached_forward
+    from openvino._offline_transformations import apply_make_stateful_transformation  # optional: openvino
+    from transformers.cache_utils import DynamicCache, DynamicLayer  # heavy: transformers
 
     _, filled = cached_forward(model, _example_ids(model, EXAMPLE_PAST))
     held = [i for i, layer in enumerate(filled.layers)  # KV-sharing layers keep no cache of their own
@@ -116,8 +114,6 @@ def _convert_cached(ov, model):
 def _compress(ovm, mode: str):
     """NNCF's data-free weight compression (its defaults: int4 groups of 128 where the width allows, else
     per channel; the embeddings and the head kept in int8, as NNCF chooses)."""
-    from parity.engines.common import require
-
     nncf = require("nncf", "openvino", "NNCF (OpenVINO's weight compression)")
     try:
         return nncf.compress_weights(ovm, mode=getattr(nncf.CompressWeightsMode, mode))

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from parity.engines.graph_ops import match_ops
 from parity.engines.onnx.graph import Graph, Matching, match
 from parity.names import is_op
 
@@ -61,7 +62,7 @@ class OVGraph(Graph):
     these)."""
 
     def __init__(self, model):  # noqa: D401 - replaces Graph's ONNX reading, keeps its methods
-        import onnx.numpy_helper as nh
+        import onnx.numpy_helper as nh  # heavy: onnx, loaded when the kind runs, not with every kind (candidates.kinds)
 
         self.ports: dict[str, object] = {}
         self.nodes, self.types, small = [], {}, []
@@ -126,8 +127,6 @@ def match_points(model, ckpt, wanted: list[str]) -> tuple[OVGraph, Matching]:
     (parity.engines.graph_ops.match_ops: module paths; q_rope and k_rope from the inputs of the
     ScaledDotProductAttention op that transformers' sdpa attention converts to, which holds the scores and
     probabilities inside)."""
-    from parity.engines.graph_ops import match_ops
-
     g = OVGraph(model)
     matching = match(g, ckpt, wanted, {}, {})
     match_ops(g, ckpt, [p for p in wanted if is_op(p)], {}, matching)

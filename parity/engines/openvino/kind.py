@@ -27,8 +27,18 @@ import numpy as np
 import torch
 
 from parity import names
-from parity.engines.common import converted, require
+from parity.adapter.files import load_all
+from parity.candidates.weights import checkpoint
+from parity.checkpoint import open_checkpoint, refuse_mismatched
+from parity.engines.common import cache_root, converted, fingerprint, require
+from parity.engines.graph_ops import as_point, missing_note, read_ops, wanted_ops
+from parity.engines.onnx.graph import hidden_width, vocabulary
+from parity.engines.openvino.export import export
+from parity.engines.openvino.graph import match_points
+from parity.engines.openvino.weights import read_back, stored
 from parity.errors import ParityError
+from parity.reference.structure import discover
+from parity.weights import Weights
 
 KIND = "openvino"
 MATRIX = "openvino:{checkpoint}"  # its --candidate in the engine x family matrix (bench/engines.py)
@@ -81,8 +91,6 @@ def validate(path: Path, adapter_dirs=()) -> None:
     if not (Path(path) / "config.json").is_file():
         raise ParityError(f"--candidate openvino:{path}: neither an OpenVINO IR (openvino_model.xml and .bin) nor a "
                           f"Hugging Face checkpoint directory (config.json)")
-    from parity.checkpoint import refuse_mismatched
-
     refuse_mismatched(_open(Path(path), adapter_dirs), "--candidate")
 
 
@@ -119,8 +127,6 @@ def model_xml(path: Path, adapter_dirs, chosen: dict, source=None) -> Path:
                               f"applies when converting a checkpoint (name its directory instead)")
         return xml
     ov = require("openvino", "openvino", "OpenVINO")
-    from parity.engines.openvino.export import export
-
     source = source if source is not None else _open(Path(path), adapter_dirs)
     weights = chosen["weights"]
     version = ov.get_version() + (f" nncf {_nncf().__version__}" if weights else "")
@@ -138,8 +144,6 @@ class Engine:
 
     def __init__(self, xml: Path, ckpt, chosen: dict, wanted: list[str]):
         ov = require("openvino", "openvino", "OpenVINO")
-        from parity.engines.openvino.graph import match_points
-
         core = ov.Core()
         try:
             model = core.read_model(str(xml))
@@ -216,8 +220,6 @@ class Engine:
 
     def points(self, values: list[np.ndarray], b: int, s: int, hidden: int, vocab: int):
         """(point, tensor [b, s, width]) for each matched point, or (point, None, why)."""
-        from parity.engines.graph_ops import as_point
-
         for point in sorted(self.matching.points, key=names.point_order):
             if point in self.matching.layouts:  # an op: read_ops lays it out
                 continue
@@ -242,7 +244,7 @@ def _empty(shape, b: int, name: str, xml: Path) -> list[int]:
 
 
 def _ov_tensor(x: np.ndarray):
-    import openvino as ov
+    import openvino as ov  # optional: openvino
 
     return ov.Tensor(x)
 
@@ -269,8 +271,6 @@ def _engine(candidate, wanted: list[str]) -> Engine:
 
 
 def _report_matching(candidate, engine: Engine, wanted: list[str], unmatched: dict) -> None:
-    from parity.engines.graph_ops import missing_note
-
     notes, layerwise = candidate.notes, candidate.options.layerwise
     matched = {p: m for p, m in engine.matching.points.items() if p not in unmatched}
     notes.matching = {"points": matched, "unmatched": unmatched}
@@ -287,15 +287,10 @@ def _report_matching(candidate, engine: Engine, wanted: list[str], unmatched: di
 
 
 def make_runner(candidate, ids: torch.Tensor, feed):
-    from parity.engines.onnx.graph import hidden_width, vocabulary
-    from parity.names import compared_points
-
     if feed is not None:
         raise ParityError("--isolate: an OpenVINO model runs whole and cannot be fed the reference's layer inputs")
-    from parity.engines.graph_ops import read_ops, wanted_ops
-
     ckpt = candidate.ckpt
-    wanted = compared_points(ckpt, candidate.options.layerwise) + wanted_ops(ckpt, candidate.options)
+    wanted = names.compared_points(ckpt, candidate.options.layerwise) + wanted_ops(ckpt, candidate.options)
     engine = _engine(candidate, wanted)
     hidden, vocab = hidden_width(ckpt), vocabulary(ckpt)
 
@@ -319,11 +314,8 @@ def make_runner(candidate, ids: torch.Tensor, feed):
 def make_decoder(candidate, ids: torch.Tensor, tokens: list[int]):
     """The prompt, then one token per step through the model's own cache: its states (a stateful IR), which
     OpenVINO keeps between the infer calls of one request."""
-    from parity.engines.onnx.graph import hidden_width, vocabulary
-    from parity.names import compared_points
-
     ckpt = candidate.ckpt
-    engine = _engine(candidate, compared_points(ckpt, candidate.options.layerwise))
+    engine = _engine(candidate, names.compared_points(ckpt, candidate.options.layerwise))
     if not engine.states:
         raise ParityError(f"--decode: {engine.xml} is not stateful (it keeps no KV cache between calls); convert it "
                           f"with its cache made stateful (OpenVINO's make_stateful, optimum-cli's default), or drop "
@@ -363,8 +355,6 @@ def describe(path: Path, engine: dict) -> dict:
 
 def conversions(path: Path) -> dict[str, str]:
     """{weights setting: IR} of this checkpoint's conversions in the cache (those made from its current files)."""
-    from parity.engines.common import cache_root, fingerprint
-
     found = {}
     source = Path(path).resolve()
     for meta in sorted((cache_root() / KIND).glob(f"{source.name}-*/parity-conversion.json")):
@@ -378,8 +368,6 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
     """--same-weights: the IR's own weights (decompressed where NNCF compressed them) as a reference; for a
     checkpoint, those of the IR it is converted into at its --engine-option weights (the runner's, from the same
     cache; converted now if not yet)."""
-    from parity.engines.openvino.weights import read_back
-
     chosen = checked(engine)
     xml = ir_file(path)
     if xml is None or chosen["weights"]:  # an IR with weights= is refused there: it is compressed when converted
@@ -390,9 +378,6 @@ def same_weights(ckpt, path: Path, out: Path, engine: dict) -> dict:
 def _source(ckpt, path: Path):
     """The candidate checkpoint opened as the runner opens it: the reference's own when it is the same directory,
     else with the reference's adapter among the known ones (the adapter directories are not passed here)."""
-    from parity.adapter.files import load_all
-    from parity.checkpoint import open_checkpoint
-
     if Path(path).resolve() == Path(ckpt.path).resolve():
         return ckpt
     if ckpt.resolved.generic:
@@ -403,9 +388,6 @@ def _source(ckpt, path: Path):
 def _open(path: Path, adapter_dirs):
     """A checkpoint OpenVINO converts: through its family's adapter, else (a model no adapter knows) its structure
     discovered from transformers, whose module paths OpenVINO keeps in its op names."""
-    from parity.checkpoint import open_checkpoint
-    from parity.reference.structure import discover
-
     return open_checkpoint(Path(path), adapter_dirs, discover=discover)
 
 
@@ -413,10 +395,6 @@ def weights(path: Path, engine: dict):
     """How the IR stores its weights (parity.engines.openvino.weights.stored: its .xml alone). A checkpoint, as the
     --engine-option weights setting has it converted, without converting: its IR's where the cache holds that
     conversion; else float32 as converted (its safetensors headers), or NNCF's mode by name."""
-    from parity.candidates.weights import checkpoint
-    from parity.engines.openvino.weights import stored
-    from parity.weights import Weights
-
     chosen = checked(engine)["weights"]
     xml = ir_file(path)
     if xml is None:

@@ -4,13 +4,19 @@ decompressed by OpenVINO itself), and how the IR stores them, from its .xml alon
 from __future__ import annotations
 
 import math
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from parity.checkpoint import stored_tensor_map
+from parity.compare import metrics
 from parity.engines.openvino.graph import element_count, scope
+from parity.engines.same_weights import write_reference
 from parity.errors import ParityError
+from parity.storage.lazy import Dequantizer
+from parity.weights import Tally, commonest
 
 BANDS = {8: 0.02, 4: 0.3}  # rel_l2 of an NNCF-compressed tensor beyond which it is not a compression of it
 EXACT = 1e-6
@@ -23,12 +29,7 @@ def read_back(ckpt, xml: Path, out: Path) -> dict:
     its band) is reported, and the reference keeps the checkpoint's own there (as every engine's read_back does).
     OpenVINO computes in float32 on decompressed weights (dynamic quantization is off): the arithmetic is
     transformers' own."""
-    import openvino as ov
-
-    from parity.checkpoint import stored_tensor_map
-    from parity.compare import metrics
-    from parity.engines.same_weights import write_reference
-    from parity.storage.lazy import Dequantizer
+    import openvino as ov  # optional: openvino
 
     model = ov.Core().read_model(str(xml))
     stored = stored_tensor_map(ckpt.resolved, ckpt.check())
@@ -108,7 +109,7 @@ def _evaluate(ov, ports: list) -> list[np.ndarray]:
     """The values of constant subgraphs, computed by OpenVINO (its own decompression of NNCF's weights)."""
     if not ports:
         return []
-    from openvino import opset13
+    from openvino import opset13  # optional: openvino
 
     weights = ov.Model([opset13.result(p) for p in ports], [], "weights")
     compiled = ov.Core().compile_model(weights, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
@@ -132,10 +133,6 @@ def stored(xml: Path):
     compressed Const) add their bytes only. The scheme is NNCF's mode as its rt_info records it (else the
     commonest compressed type) and its groups: a Const of [out, groups, size] is compressed in groups of ``size``,
     one of [out, in] per channel."""
-    import xml.etree.ElementTree as ElementTree
-
-    from parity.weights import Tally, commonest
-
     try:
         root = ElementTree.parse(xml).getroot()
     except (OSError, ElementTree.ParseError) as exc:

@@ -29,7 +29,7 @@ def cos_sin(rope: Rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     Laid out for ``style``: "half" repeats the r/2 angles as a block (a0 .. a_{r/2-1}, a0 .. a_{r/2-1});
     "interleaved" repeats each one for its adjacent pair (a0, a0, a1, a1, ...).
     """
-    # only "dynamic" and "longrope" read the length (from the data: an exported graph cannot, see onnx_export.py)
+    # only "dynamic" and "longrope" read the length (from the data: an exported graph cannot, see engines/onnx/export.py)
     scaling = rope.scaling or {}
     if scaling.get("rope_type") == "longrope" and positions.numel():
         # the factor set by the length, chosen with tensor ops (an exported graph keeps the choice, not its result)

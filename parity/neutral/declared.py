@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Union
 
 from pydantic import BaseModel, Field
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
-
-from parity.adapter import Resolved, ResolvedNorm
 
 # a field's declaration, as it sits in its json_schema_extra
 SETTING, MODULE, GIVEN, NORM, DERIVED = "setting", "module", "given", "norm", "derived"
@@ -58,7 +57,7 @@ def derived(meaning: str, default: Any = PydanticUndefined) -> Any:
 class Source:
     """Where declared values are read: the resolved settings at one layer (``layer``) or the model's."""
 
-    resolved: Resolved
+    resolved: Any   # parity.adapter.Resolved (not imported: the adapter schema reads the declarations here)
     layer: int | None = None
     given: Mapping[str, Any] = field(default_factory=dict)
 
@@ -69,7 +68,7 @@ class Source:
         keys = (keys,) if isinstance(keys, str) else keys
         return next((v for v in map(self.at, keys) if v), self.at(keys[-1]))
 
-    def norm(self, slot: str) -> ResolvedNorm | None:
+    def norm(self, slot: str) -> Any:
         name = slot if self.layer is None else f"layers.{self.layer}.{slot}"
         return next((n for n in self.resolved.norms if n.neutral == name), None)
 
@@ -104,7 +103,7 @@ def _coerce(annotation: Any, value: Any) -> Any:
     return value
 
 
-def fill(cls: type[BaseModel], source: Source, module_of: ResolvedNorm | None = None, /, **values: Any) -> Any:
+def fill(cls: type[BaseModel], source: Source, module_of: Any = None, /, **values: Any) -> Any:
     """A ``cls`` with every declared field read off ``source`` (``values``: fields the caller gives outright); None
     where ``cls.present(source)`` says the model has no such part."""
     present: Callable[[Source], bool] | None = getattr(cls, "present", None)
@@ -131,6 +130,29 @@ def fill(cls: type[BaseModel], source: Source, module_of: ResolvedNorm | None = 
     if derive is not None:
         values = derive(values, source)
     return cls(**values)
+
+
+def settings(cls: type[BaseModel]) -> dict[str, FieldInfo]:
+    """Every adapter setting the fields of ``cls`` and of the records it holds read: key -> the first field that
+    reads it (what parity.adapter.schema adds to an adapter's sections)."""
+    found: dict[str, FieldInfo] = {}
+    seen: set[type] = set()
+
+    def walk(record: type[BaseModel]) -> None:
+        seen.add(record)
+        for info in record.model_fields.values():
+            how = declaration(info)
+            if how and how[0] == SETTING:
+                for key in (how[1],) if isinstance(how[1], str) else how[1]:
+                    found.setdefault(key, info)
+            held = info.annotation
+            held = typing.get_args(held)[0] if typing.get_origin(held) is list else held
+            nested = record_class(held)
+            if nested is not None and nested not in seen:
+                walk(nested)
+
+    walk(cls)
+    return found
 
 
 def declarations(cls: type[BaseModel], where: str = "") -> list[tuple[str, str, str, str]]:
