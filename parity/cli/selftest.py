@@ -82,7 +82,9 @@ def run(families: list[str] | None = None, dtype: str | None = None,
                     Path(tmp) / f"{family}-{width}.neutral"
             return built[family, width]
 
-        sized: set[str] = set()  # the mistakes with a size already injected at their trial values
+        # each mistake with a size is injected at its trial values on the first family (the adapters' order) it
+        # applies to, whichever families this run covers, so that a run of some families gives their full run's rows
+        home = {bug_id: where[0] for bug_id, where in bugs.families().items() if where}
         for family in chosen:
             src, neutral = tiny(family, None)
             manifest = read_manifest(neutral)
@@ -90,10 +92,9 @@ def run(families: list[str] | None = None, dtype: str | None = None,
             applicable = bugs.applicable_at_width(at_width)
             cases = [(None, dtype or "float32", None, False)] + [
                 (b.id, dtype or b.dtype, b.width, False) for b in applicable if not b.decode]
-            # each mistake with a size at two values besides the catalog's, on the first family it applies to
+            # each mistake with a size at two values besides the catalog's
             cases += [(f"{b.id}={value:g}", dtype or b.dtype, b.width, False) for b in applicable
-                      if b.size is not None and b.id not in sized for value in bugs.trials(b, at_width(b.width))]
-            sized |= {b.id for b in applicable if b.size is not None}
+                      if b.size is not None and home.get(b.id) == family for value in bugs.trials(b, at_width(b.width))]
             short = {b.id: _first_threshold(src) for b in applicable if b.short}
             if bugs.decodes(manifest):
                 cases += [(None, dtype or "float32", None, True)] + [

@@ -493,9 +493,11 @@ CATALOG: list[Bug] = [
         "ggml-org/llama.cpp #2373, PR #2374; apache/tvm #15856; mlc-ai/mlc-llm #923; intel/ipex-llm #9529",
         lambda m: bool(_norms(m)), _each(_norms, eps=lambda n: 1e-6 if n.eps != 1e-6 else 1e-5), op="attn_in",
         also=NORM_FIRST,
-        # an eps far below the activations' mean square changes nothing a check sees: the trials are above it
-        size=Size(_put(_norms, "eps"), lambda m: _first(_norms, "eps")(m) or 1e-6, "norms with an eps of {value}",
-                  lambda m: _value(_first(_norms, "eps")(m)), low=1e-4, high=1e4, trials=(300.0, 3000.0))),
+        # an eps far below the activations' mean square changes nothing a check sees (BERT's 1e-12): the trials are
+        # above it, from 1e-5 up
+        size=Size(_put(_norms, "eps"), lambda m: max(_first(_norms, "eps")(m) or 0.0, 1e-5),
+                  "norms with an eps of {value}", lambda m: _value(_first(_norms, "eps")(m)), low=1e-4, high=1e4,
+                  trials=(300.0, 3000.0))),
     Bug("norm-in-low-precision", "norm computed in bf16/fp16 instead of float32",
         "the norms computed in the model's low precision", "low precision only",
         "huggingface/transformers PR #29402; meta-llama/llama #1048; pytorch/pytorch #133085",
